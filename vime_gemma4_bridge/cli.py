@@ -1,0 +1,29 @@
+"""``vime-gemma4`` command line: one sub-command per job, each module owning its own arguments."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vime_gemma4_bridge import tiny
+
+    parser = argparse.ArgumentParser(
+        prog="vime-gemma4",
+        description="Gemma 4 <-> Megatron conversion through Megatron-Bridge, bitwise-checked, GPU optional.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    tiny.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
