@@ -17,7 +17,7 @@ $(STAMP): $(SETUP_INPUTS)
 	fi
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements/lock.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements/no-deps.txt
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	@touch $(STAMP)
 
 demo: setup

@@ -1,0 +1,41 @@
+"""CPU-safe variants of two Megatron-Bridge mapping classes (a candidate upstream fix).
+
+Megatron-Bridge 0.6.2's ``ReplicatedMapping.hf_to_megatron`` moves the HF tensor to
+``torch.cuda.current_device()`` before the TP broadcast whenever TP > 1, which raises on a host
+without a GPU driver. Everything else on the load path (PP broadcast, TP scatter, EP gather) runs
+on CPU tensors over gloo. These subclasses keep upstream's behaviour for CUDA parameters and skip
+only that device move for CPU parameters. ``AutoMapping`` is subclassed so that the replicated
+delegate it picks at run time is the CPU-safe one.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.bridge.models.conversion import param_mapping
+from torch import nn
+
+
+class ReplicatedMapping(param_mapping.ReplicatedMapping):
+    """Upstream ``ReplicatedMapping`` that also loads into CPU parameters at TP > 1."""
+
+    def hf_to_megatron(self, hf_weights: torch.Tensor, megatron_module: nn.Module) -> torch.Tensor:
+        target = getattr(megatron_module, "weight", None)
+        device = target.device if target is not None else next(megatron_module.parameters()).device
+        if device.type != "cpu" or self.tp_size == 1:
+            return super().hf_to_megatron(hf_weights, megatron_module)
+        hf_weights = hf_weights.to(device=device)
+        if self.tp_rank > 0:
+            hf_weights = torch.empty_like(hf_weights)
+        return self.broadcast_tensor_to_tp_ranks(hf_weights, src_rank=0)
+
+
+class AutoMapping(param_mapping.AutoMapping):
+    """Upstream ``AutoMapping`` whose replicated delegate is the CPU-safe :class:`ReplicatedMapping`."""
+
+    def _get_or_create_mapping(self, parallelism_type: str) -> param_mapping.MegatronParamMapping:
+        if parallelism_type != "replicated":
+            return super()._get_or_create_mapping(parallelism_type)
+        mapping = ReplicatedMapping(self.megatron_param, self.hf_param)
+        if self._pg_collection is not None:
+            mapping.set_process_groups_from_pg_collection(self._pg_collection)
+        return mapping

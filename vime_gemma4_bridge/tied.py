@@ -1,0 +1,58 @@
+"""The tied-embedding rule, in one place.
+
+Gemma 4 ties ``lm_head`` to ``embed_tokens`` (``tie_word_embeddings=True``): HF checkpoints
+carry only ``embed_tokens``; vLLM skips ``lm_head`` when tied. In Megatron, with one pipeline
+stage the output layer *is* the embedding; with PP > 1 the last stage holds its own copy
+(``output_layer.weight``) that training keeps equal by an all-reduce of the gradients.
+
+* Import fills both: the mapping table maps only the embedding, and Megatron-Bridge's
+  ``_broadcast_shared_embeddings`` copies stage 0's embedding into the last stage's output layer.
+* Export emits ``embed_tokens`` exactly once and never ``lm_head``: no ``output_layer`` mapping
+  exists and upstream drops ``output_layer`` tasks when tied. (Emitting both was the duplicate
+  tensor of the original bug report.)
+* Before export, :func:`check_tied_embeddings` proves the last stage's copy still equals the
+  embedding; a silent divergence would make vLLM (which uses the embedding) differ from training.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.utils import unwrap_model
+
+
+class TiedEmbeddingMismatch(ValueError):
+    """The last pipeline stage's output layer differs from stage 0's embedding."""
+
+
+def check_tied_embeddings(megatron_model: Any) -> None:
+    """Collective over all ranks: raise :class:`TiedEmbeddingMismatch` if the tied copies differ."""
+    models = unwrap_model(megatron_model if isinstance(megatron_model, list) else [megatron_model])
+    config = models[0].config
+    if not getattr(config, "share_embeddings_and_output_weights", False):
+        return
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return
+    device = next(models[0].parameters()).device
+    max_diff = torch.zeros(1, dtype=torch.float64, device=device)
+    if parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+        group = parallel_state.get_embedding_group()
+        ranks = torch.distributed.get_process_group_ranks(group)
+        first_stage = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        if first_stage:
+            weight = models[0].embedding.word_embeddings.weight.detach()
+        else:
+            weight = models[-1].output_layer.weight.detach()
+        reference = weight.clone()
+        torch.distributed.broadcast(reference, src=ranks[0], group=group)
+        if not first_stage:
+            max_diff[0] = (weight.double() - reference.double()).abs().max()
+    torch.distributed.all_reduce(max_diff, op=torch.distributed.ReduceOp.MAX)
+    if max_diff.item() != 0.0:
+        raise TiedEmbeddingMismatch(
+            "tied embeddings diverged: the last pipeline stage's output_layer.weight differs from stage 0's "
+            f"embedding (max |Δ|={max_diff.item():.6g}); the HF export carries only embed_tokens, so fix the "
+            "training run (embedding-group gradient all-reduce) or re-tie before exporting"
+        )
