@@ -1,0 +1,47 @@
+"""Shared fixtures.
+
+Rank processes are expensive (each imports megatron.bridge: ~1 GB RSS, ~10 s), so tests share
+one :class:`~vime_gemma4_bridge.distributed.LocalWorld` per session and re-initialise
+megatron-core's parallel state per topology inside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from vime_gemma4_bridge.distributed import LocalWorld
+
+#: Seconds a world waits for the other ranks after one failed; short, tests provoke failures.
+TEST_ERROR_GRACE = 2.0
+
+
+@pytest.fixture(scope="session")
+def local_world() -> Iterator[Callable[[int], LocalWorld]]:
+    """``local_world(n)`` → a shared LocalWorld of ``n`` ranks (started on its first ``run``).
+
+    At most one world is alive at a time, to cap memory: asking for another size closes the
+    current world first. A world killed by a failing test respawns on its next ``run``. All are
+    closed at the end of the session.
+    """
+    from vime_gemma4_bridge.distributed import LocalWorld
+
+    current: list[LocalWorld] = []
+
+    def get(nproc: int) -> LocalWorld:
+        if current and current[0].nproc == nproc:
+            return current[0]
+        while current:
+            current.pop().close()
+        world = LocalWorld(nproc, error_grace=TEST_ERROR_GRACE)
+        current.append(world)
+        return world
+
+    try:
+        yield get
+    finally:
+        while current:
+            current.pop().close()

@@ -1,0 +1,379 @@
+"""Tests of vime_gemma4_bridge.distributed: topologies, megatron-core re-initialisation, LocalWorld failures.
+
+Rank start-up dominates the time (each rank imports megatron.bridge), so the topology test
+re-initialises many topologies in one 4-rank world, and the failure tests share a 2-rank
+world that each failure kills and the next ``run`` respawns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from vime_gemma4_bridge.distributed import (
+    LocalWorld,
+    RankError,
+    Topology,
+    WorldTimeoutError,
+    add_launch_arguments,
+    in_torchrun,
+    init_model_parallel,
+    launch,
+    parallel_layout,
+)
+
+# --------------------------------------------------------------------------------------------
+# Job functions: module level, so that the ranks can unpickle them by reference.
+# --------------------------------------------------------------------------------------------
+
+
+def _layout_job(topology: Topology) -> dict:
+    """Initialise ``topology`` and report what megatron-core and the process groups say."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    init_model_parallel(topology)
+    layout = parallel_layout()
+    rank = dist.get_rank()
+    groups = {
+        "tp": ps.get_tensor_model_parallel_group(),
+        "pp": ps.get_pipeline_model_parallel_group(),
+        "ep": ps.get_expert_model_parallel_group(),
+        "etp": ps.get_expert_tensor_parallel_group(),
+    }
+    for name, group in groups.items():
+        value = torch.tensor([float(rank)])
+        dist.all_reduce(value, group=group)
+        layout[f"{name}_sum"] = value.item()
+        layout[f"{name}_members"] = sorted(dist.get_process_group_ranks(group))
+    layout["in_embedding_group"] = ps.is_rank_in_embedding_group()
+    layout["process_groups"] = len(dist.distributed_c10d._world.pg_map)
+    layout["pid"] = os.getpid()
+    layout["rand"] = torch.rand(3).tolist()
+    return layout
+
+
+def _whoami() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return dist.get_rank(), os.getpid()
+
+
+def _raise_on(bad_rank: int) -> str:
+    import torch.distributed as dist
+
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"deliberate failure on rank {bad_rank}")
+    dist.barrier()  # the others wait in a collective for the rank that failed: they never return
+    return "unreachable"
+
+
+def _exit_on(bad_rank: int, code: int) -> int:
+    import torch.distributed as dist
+
+    if dist.get_rank() == bad_rank:
+        os._exit(code)
+    return dist.get_rank()
+
+
+def _hang_on(bad_rank: int, seconds: float) -> int:
+    import torch.distributed as dist
+
+    if dist.get_rank() == bad_rank:
+        # A grandchild too: killing the world must take the rank's own children with it.
+        subprocess.Popen(["sleep", str(int(seconds) + 60)])
+        time.sleep(seconds)
+    return dist.get_rank()
+
+
+def _single_rank_job(topology: Topology) -> dict:
+    init_model_parallel(topology)
+    return parallel_layout()
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _expected(topology: Topology, world: int, rank: int) -> dict:
+    """Sizes, ranks and group members from megatron-core's rank order "tp-cp-ep-dp-pp"."""
+    tp, pp, ep, etp = topology.tp, topology.pp, topology.ep, topology.etp
+    dp, edp = world // (tp * pp), world // (etp * ep * pp)
+    tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    etp_rank, ep_rank = rank % etp, (rank // etp) % ep
+    members = {
+        "tp": [rank - tp_rank + i for i in range(tp)],
+        "pp": [rank % (world // pp) + i * (world // pp) for i in range(pp)],
+        "ep": [rank - ep_rank * etp + i * etp for i in range(ep)],
+        "etp": [rank - etp_rank + i for i in range(etp)],
+    }
+    return {
+        "sizes": {"tp": tp, "pp": pp, "vpp": topology.vpp, "ep": ep, "etp": etp, "dp": dp, "edp": edp},
+        "ranks": {"tp_rank": tp_rank, "pp_rank": pp_rank, "ep_rank": ep_rank, "etp_rank": etp_rank, "dp_rank": dp_rank},
+        "members": members,
+        "sums": {name: float(sum(ranks)) for name, ranks in members.items()},
+        "in_embedding_group": pp_rank in (0, pp - 1),
+    }
+
+
+def _processes_in_groups(pgids: set[int]) -> list[int]:
+    """Live (non-zombie) processes whose process group is one of ``pgids`` (ranks lead their own group)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp in pgids and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _spawned_children() -> list[int]:
+    """Multiprocessing children of this process (multiprocessing's resource tracker excepted)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _assert_gone(pids: list[int]) -> None:
+    assert pids, "the world had no processes to check"
+    deadline = time.monotonic() + 5
+    while _processes_in_groups(set(pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_in_groups(set(pids)) == [], "rank processes (or their children) were left behind"
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert _spawned_children() == [], "spawned child processes were left behind"
+
+
+# --------------------------------------------------------------------------------------------
+# (a) many topologies in one world
+# --------------------------------------------------------------------------------------------
+
+TOPOLOGIES = [
+    Topology(tp=2, pp=2, ep=2),  # ETP1: fits 4 ranks only because etp does not default to tp
+    Topology(ep=4),
+    Topology(tp=4),
+    Topology(tp=2, ep=2, etp=2),
+    Topology(pp=4),  # after PP1/PP2: middle stages must not keep stale embedding-group ranks
+    Topology(tp=2, pp=2, vpp=2, ep=2),
+    Topology(tp=2, pp=2, ep=2),  # again: same process-group count as the first time (no leak)
+]
+
+
+def test_reinitialises_many_topologies_in_one_world(local_world) -> None:
+    world = local_world(4)
+    started = time.monotonic()
+    first = world.run(_whoami)
+    startup = time.monotonic() - started
+    pids = [pid for _, pid in first]
+    group_counts = []
+    for topology in TOPOLOGIES:
+        layouts = world.run(_layout_job, topology, timeout=120)
+        assert [layout["pid"] for layout in layouts] == pids, "ranks must be reused, not respawned"
+        for rank, layout in enumerate(layouts):
+            want = _expected(topology, 4, rank)
+            where = f"{topology} rank {rank}"
+            assert layout["rank"] == rank and layout["world_size"] == 4, where
+            assert {k: layout[k] for k in want["sizes"]} == want["sizes"], where
+            assert {k: layout[k] for k in want["ranks"]} == want["ranks"], where
+            assert {k: layout[f"{k}_members"] for k in want["members"]} == want["members"], where
+            assert {k: layout[f"{k}_sum"] for k in want["sums"]} == want["sums"], where
+            assert layout["in_embedding_group"] == want["in_embedding_group"], where
+        assert all(layout["rand"] == layouts[0]["rand"] for layout in layouts), "ranks must be seeded alike"
+        group_counts.append(layouts[0]["process_groups"])
+    assert group_counts[-1] == group_counts[0], f"process groups leak across re-initialisation: {group_counts}"
+    print(f"4-rank world start-up {startup:.1f} s; {len(TOPOLOGIES)} topologies {time.monotonic() - started:.1f} s")
+
+    # close() leaves nothing behind (and the failure tests below want a smaller world anyway).
+    world.close()
+    assert not world.alive
+    _assert_gone(pids)
+
+
+# --------------------------------------------------------------------------------------------
+# (b, c) failures: raise, crash, hang, close
+# --------------------------------------------------------------------------------------------
+
+
+def test_rank_error_reports_traceback_and_world_recovers(local_world) -> None:
+    world = local_world(2)
+    before = [pid for _, pid in world.run(_whoami)]
+    started = time.monotonic()
+    with pytest.raises(RankError) as caught:
+        world.run(_raise_on, 1, timeout=60)
+    elapsed = time.monotonic() - started
+    error = caught.value
+    assert error.ranks == (1,)
+    assert error.unfinished == (0,)  # rank 0 was stuck in the barrier
+    text = str(error)
+    assert "rank(s) 1" in text and "----- rank 1 -----" in text
+    assert "Traceback (most recent call last)" in text and "_raise_on" in text
+    assert "ValueError: deliberate failure on rank 1" in text
+    assert elapsed < 30, f"the failure took {elapsed:.1f} s to report"
+    assert not world.alive
+    _assert_gone(before)
+
+    # The next run respawns the world transparently (and leaves it alive for the next test).
+    starts = world.starts
+    after = world.run(_whoami)
+    assert [rank for rank, _ in after] == [0, 1]
+    assert set(pid for _, pid in after).isdisjoint(before)
+    assert world.starts == starts + 1 and world.alive
+
+
+def test_unpicklable_job_is_refused_before_sending(local_world) -> None:
+    world = local_world(2)
+    with pytest.raises(TypeError, match="module level"):
+        world.run(lambda: 1)
+
+
+def test_dead_rank_is_reported(local_world) -> None:
+    world = local_world(2)
+    pids = [pid for _, pid in world.run(_whoami)]
+    with pytest.raises(RankError, match=r"rank 0 process ended \(exit code 3\)") as caught:
+        world.run(_exit_on, 0, 3, timeout=60)
+    assert caught.value.ranks == (0,)
+    assert not world.alive
+    _assert_gone(pids)
+
+
+def test_hung_rank_times_out_and_nothing_is_left_behind(local_world) -> None:
+    world = local_world(2)
+    pids = [pid for _, pid in world.run(_whoami)]
+    started = time.monotonic()
+    with pytest.raises(TimeoutError) as caught:
+        world.run(_hang_on, 1, 120, timeout=3)
+    elapsed = time.monotonic() - started
+    assert isinstance(caught.value, WorldTimeoutError)
+    assert caught.value.ranks == (1,)
+    assert "rank(s) 1 did not answer within 3 s" in str(caught.value)
+    assert elapsed < 15, f"the timeout took {elapsed:.1f} s"
+    assert not world.alive
+    _assert_gone(pids)  # the hung rank's `sleep` child included
+
+
+# --------------------------------------------------------------------------------------------
+# (d) Topology and command-line helpers
+# --------------------------------------------------------------------------------------------
+
+
+def test_topology_str_and_sizes() -> None:
+    assert str(Topology(tp=2, pp=2, ep=2)) == "TP2·PP2·EP2·ETP1"
+    assert str(Topology(pp=2, vpp=3)) == "TP1·PP2·VPP3·EP1·ETP1"
+    assert Topology().etp == 1 and Topology(tp=4).etp == 1
+    assert Topology(tp=2, pp=2, ep=2).min_world_size == 4
+    assert Topology(tp=2, ep=4).min_world_size == 4
+    assert Topology(tp=3, ep=2).min_world_size == 6
+    assert Topology(tp=2, pp=2, ep=2).data_parallel_size(8) == 2
+    for topology, world in [
+        (Topology(tp=2, pp=2, ep=2), 4),
+        (Topology(ep=4), 4),
+        (Topology(tp=4), 8),
+        (Topology(tp=2, ep=2, etp=2), 4),
+        (Topology(pp=2, vpp=2), 2),
+        (Topology(), 1),
+    ]:
+        topology.validate(world)
+
+
+@pytest.mark.parametrize(
+    ("topology", "world", "message"),
+    [
+        (Topology(tp=2, pp=2), 6, r"TP·PP = 4 must divide the world size; use a world size that is a multiple of 4"),
+        (Topology(ep=4), 2, r"ETP·EP·PP = 4 must divide the world size.*--nproc 4"),
+        (Topology(tp=2, pp=2, ep=2, etp=2), 4, r"ETP·EP·PP = 8 must divide .*multiple of 8"),
+        (Topology(vpp=2), 4, r"--vpp 2 needs pipeline parallelism: set --pp to 2 or more, or omit --vpp"),
+        (Topology(tp=0), 4, r"--tp must be a whole number >= 1, got 0"),
+        (Topology(ep=-1), 4, r"--ep must be a whole number >= 1"),
+        (Topology(pp=2, vpp=0), 4, r"--vpp must be a whole number >= 1 or omitted"),
+        (Topology(), 0, r"world size must be a whole number >= 1"),
+    ],
+)
+def test_topology_validate_rejects(topology: Topology, world: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as caught:
+        topology.validate(world)
+    assert "\n" not in str(caught.value)
+
+
+def test_topology_and_launch_arguments() -> None:
+    parser = argparse.ArgumentParser()
+    Topology.add_arguments(parser)
+    add_launch_arguments(parser)
+    args = parser.parse_args(["--tp", "2", "--pp", "2", "--vpp", "2", "--ep", "2", "--nproc", "4"])
+    assert Topology.from_args(args) == Topology(tp=2, pp=2, vpp=2, ep=2, etp=1)
+    assert args.nproc == 4
+    defaults = parser.parse_args([])
+    assert Topology.from_args(defaults) == Topology() and defaults.nproc is None
+    assert Topology.from_args(argparse.Namespace(tp=4)) == Topology(tp=4)
+    helptext = parser.format_help()
+    for flag in ("--tp", "--pp", "--vpp", "--ep", "--etp", "--nproc"):
+        assert flag in helptext
+
+
+def test_local_world_rejects_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="nproc"):
+        LocalWorld(0)
+
+
+# --------------------------------------------------------------------------------------------
+# launch(): a single rank in this process, and under a torchrun-like environment
+# --------------------------------------------------------------------------------------------
+
+
+def test_launch_runs_in_process_without_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert not in_torchrun()
+    [layout] = launch(None, _single_rank_job, Topology())
+    assert layout["world_size"] == 1 and layout["tp"] == 1 and layout["ep"] == 1
+    assert not dist.is_initialized(), "the one-rank world must be torn down after the job"
+
+
+def test_launch_under_torchrun_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert in_torchrun()
+    try:
+        [layout] = launch(None, _single_rank_job, Topology())
+        assert layout["world_size"] == 1 and layout["rank"] == 0
+        assert dist.is_initialized(), "under torchrun the process group belongs to the job"
+    finally:
+        from vime_gemma4_bridge.distributed import reset_model_parallel
+
+        if dist.is_initialized():
+            reset_model_parallel()
+            dist.destroy_process_group()

@@ -1,0 +1,113 @@
+"""Building the sharded Megatron Gemma 4 model for a topology, and moving weights in and out of it.
+
+These are the steps every command shares (roundtrip, import, export, parity, export-live), run on
+every rank after :func:`vime_gemma4_bridge.distributed.init_model_parallel`. All resharding is
+Megatron-Bridge's: ``AutoBridge.load_hf_weights`` / ``export_hf_weights`` with this plugin's
+bridge registered.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.bridge import AutoBridge
+
+from vime_gemma4_bridge.distributed import Topology
+
+
+class TopologyError(ValueError):
+    """The model's shape does not split over the requested topology."""
+
+
+def text_config_dict(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text part of a HF ``config.json`` dict (VL checkpoints nest it under ``text_config``)."""
+    return config.get("text_config") or config
+
+
+def validate_model_topology(config: Mapping[str, Any], topology: Topology) -> None:
+    """Raise :class:`TopologyError` (one line: what and what to do) if the model cannot be split so."""
+    text = text_config_dict(config)
+    if text.get("model_type") not in ("gemma4_text", "gemma4"):
+        raise TopologyError(f"config model_type {text.get('model_type')!r} is not Gemma 4 (gemma4_text)")
+    moe = bool(text.get("enable_moe_block"))
+    layers = int(text["num_hidden_layers"])
+    checks: list[tuple[str, int, int, str]] = [
+        ("attention heads", int(text["num_attention_heads"]), topology.tp, "--tp"),
+        ("KV heads", int(text["num_key_value_heads"]), topology.tp, "--tp"),
+        ("FFN size (intermediate_size)", int(text["intermediate_size"]), topology.tp, "--tp"),
+    ]
+    if "full_attention" in (text.get("layer_types") or []):
+        global_kv = text.get("num_global_key_value_heads") or text["num_key_value_heads"]
+        checks.append(("global KV heads", int(global_kv), topology.tp, "--tp"))
+    if moe:
+        checks += [
+            ("experts", int(text["num_experts"]), topology.ep, "--ep"),
+            ("expert FFN size (moe_intermediate_size)", int(text["moe_intermediate_size"]), topology.etp, "--etp"),
+        ]
+    stages = topology.pp * (topology.vpp or 1)
+    checks.append(("layers", layers, stages, "--pp/--vpp (PP×VPP)"))
+    for what, count, parts, flag in checks:
+        if count % parts:
+            raise TopologyError(f"{count} {what} do not divide by {flag} {parts}; choose a divisor of {count}")
+    if not moe and (topology.pp > 1 or topology.ep > 1):
+        raise TopologyError(
+            "dense Gemma 4 supports --pp 1 and --ep 1 only (Megatron-Bridge's Gemma4DenseProvider is PP=1); "
+            "use --tp to split it"
+        )
+
+
+def open_bridge(hf_checkpoint: str | os.PathLike) -> AutoBridge:
+    """``AutoBridge`` for a local Gemma 4 checkpoint (this plugin's bridge is registered on import)."""
+    return AutoBridge.from_hf_pretrained(str(hf_checkpoint))
+
+
+def build_model(bridge: AutoBridge, topology: Topology) -> list[torch.nn.Module]:
+    """The Megatron model chunks of this rank for ``topology`` (parallel state already initialised)."""
+    on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    provider = bridge.to_megatron_provider(load_weights=False)
+    provider.tensor_model_parallel_size = topology.tp
+    provider.pipeline_model_parallel_size = topology.pp
+    provider.virtual_pipeline_model_parallel_size = topology.vpp
+    provider.expert_model_parallel_size = topology.ep
+    provider.expert_tensor_parallel_size = topology.etp
+    provider.sequence_parallel = False
+    provider.use_cpu_initialization = not on_gpu
+    provider.finalize()
+    return provider.provide_distributed_model(
+        wrap_with_ddp=False,
+        use_cpu_initialization=not on_gpu,
+        init_model_with_meta_device=False,
+        mixed_precision_wrapper=None,
+    )
+
+
+def is_rank0() -> bool:
+    return dist.get_rank() == 0
+
+
+def export_language_model(bridge: AutoBridge, model: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Megatron-Bridge's export (all ranks take part), as ``(hf_name, tensor)`` on CPU; no name twice."""
+    seen: set[str] = set()
+    for item in bridge.export_hf_weights(model, cpu=True, show_progress=is_rank0()):
+        name, tensor = item[0], item[1]
+        if name in seen:
+            raise ValueError(f"export produced {name!r} twice; a mapping is duplicated")
+        seen.add(name)
+        yield name, tensor
+
+
+def collect_on_rank0(bridge: AutoBridge, model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Run the export on every rank and keep the tensors on rank 0 only (others get ``{}``)."""
+    keep = is_rank0()
+    return {name: tensor.clone() for name, tensor in export_language_model(bridge, model) if keep}
+
+
+def broadcast_from_rank0(obj: Any) -> Any:
+    """Give every rank rank 0's value of ``obj`` (so all ranks agree on the exit status)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,196 @@
+"""Hugging Face checkpoints on disk: reading, the language-model filter, safe complete writes.
+
+The language-model filter lives here, in :func:`language_model_prefix` and
+:meth:`HFCheckpoint.language_model_names`: Gemma 4's text weights are the tensors under
+``model.language_model.`` (VL checkpoint) or ``model.`` (CausalLM). Only those enter Megatron
+and the live export; everything else (vision/audio towers and their embedders) is copied
+unchanged from the source when a complete HF checkpoint is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from vime_gemma4_bridge.bridge import LANGUAGE_MODEL_PREFIX
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+#: Weight files are rewritten; every other file of the source (config, generation config,
+#: tokenizer, processor, chat template, ...) is copied as is.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk is missing, unreadable, or not Gemma 4."""
+
+
+def language_model_prefix(config: Mapping) -> str:
+    """The prefix of the language-model tensors for a HF ``config.json`` dict."""
+    architectures = config.get("architectures") or []
+    for architecture in architectures:
+        if architecture in LANGUAGE_MODEL_PREFIX:
+            return LANGUAGE_MODEL_PREFIX[architecture]
+    raise CheckpointError(
+        f"not a Gemma 4 checkpoint: architectures={architectures} (expected one of {sorted(LANGUAGE_MODEL_PREFIX)})"
+    )
+
+
+class HFCheckpoint:
+    """A local safetensors checkpoint (single file or sharded with an index), read lazily."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"HF checkpoint {self.path} is not a directory")
+        config_file = self.path / "config.json"
+        if not config_file.is_file():
+            raise CheckpointError(f"{self.path} has no config.json; is it a Hugging Face checkpoint?")
+        try:
+            self.config: dict = json.loads(config_file.read_text())
+        except json.JSONDecodeError as error:
+            raise CheckpointError(f"{config_file} is not valid JSON: {error}") from error
+        self.prefix = language_model_prefix(self.config)
+        self.weight_map = self._read_weight_map()
+
+    def _read_weight_map(self) -> dict[str, str]:
+        index_file = self.path / INDEX_NAME
+        if index_file.is_file():
+            try:
+                weight_map = dict(json.loads(index_file.read_text())["weight_map"])
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise CheckpointError(f"{index_file} is not a valid safetensors index: {error}") from error
+        elif (self.path / SINGLE_NAME).is_file():
+            weight_map = {}
+        else:
+            raise CheckpointError(f"{self.path} has neither {SINGLE_NAME} nor {INDEX_NAME}")
+        files = sorted(set(weight_map.values())) or [SINGLE_NAME]
+        listed: dict[str, str] = {}
+        for file in files:
+            file_path = self.path / file
+            if not file_path.is_file():
+                raise CheckpointError(f"safetensors shard {file_path} is missing (named by {INDEX_NAME})")
+            try:
+                with safe_open(file_path, framework="pt") as handle:
+                    for name in handle.keys():
+                        listed[name] = file
+            except Exception as error:  # safetensors raises its own error types for corrupt headers
+                raise CheckpointError(f"safetensors shard {file_path} is unreadable or corrupt: {error}") from error
+        for name, file in weight_map.items():
+            if listed.get(name) != file:
+                raise CheckpointError(f"{INDEX_NAME} names tensor {name!r} in {file}, but that file does not hold it")
+        return listed
+
+    def names(self) -> list[str]:
+        """All tensor names, in file order."""
+        return list(self.weight_map)
+
+    def language_model_names(self) -> list[str]:
+        """The tensors that belong to Megatron (the language-model filter)."""
+        return [name for name in self.weight_map if name.startswith(self.prefix)]
+
+    def load(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Load the named tensors (all when ``names`` is None), opening each shard once."""
+        wanted = self.names() if names is None else list(names)
+        by_file: dict[str, list[str]] = {}
+        for name in wanted:
+            by_file.setdefault(self.weight_map[name], []).append(name)
+        tensors: dict[str, torch.Tensor] = {}
+        for file, file_names in by_file.items():
+            with safe_open(self.path / file, framework="pt") as handle:
+                for name in file_names:
+                    tensors[name] = handle.get_tensor(name)
+        return {name: tensors[name] for name in wanted}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"500MB"``, ``"1024"`` → bytes (decimal units, as transformers' ``max_shard_size``)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    value = text.strip().upper()
+    for unit, factor in sorted(units.items(), key=lambda item: -len(item[0])):
+        if value.endswith(unit):
+            return int(float(value[: -len(unit)]) * factor)
+    return int(value.rstrip("B"))
+
+
+def prepare_output(path: str | os.PathLike, *, force: bool) -> Path:
+    """Check an output directory may be written; return it. Nothing is created here."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"output {out} exists and is a file; choose a directory path")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise CheckpointError(f"output {out} already exists and is not empty; pass --force to replace it")
+    return out
+
+
+def write_hf_checkpoint(
+    out: str | os.PathLike,
+    language_tensors: Mapping[str, torch.Tensor],
+    source: HFCheckpoint,
+    *,
+    max_shard_size: int = 5 * 10**9,
+    force: bool = False,
+) -> Path:
+    """Write a complete HF checkpoint: ``language_tensors`` plus everything else copied from ``source``.
+
+    Tensors keep the source's order. The checkpoint is assembled in a temporary sibling directory
+    and renamed into place only when complete, so an interrupted run leaves nothing that looks
+    like a checkpoint; the source is only read.
+    """
+    out = prepare_output(out, force=force)
+    expected = set(source.language_model_names())
+    if set(language_tensors) != expected:
+        missing = sorted(expected - set(language_tensors))[:3]
+        extra = sorted(set(language_tensors) - expected)[:3]
+        raise CheckpointError(f"refusing to write an incomplete checkpoint: missing {missing}, unexpected {extra}")
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for item in source.path.iterdir():
+            if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != INDEX_NAME:
+                shutil.copy2(item, tmp / item.name)
+        others = [name for name in source.names() if name not in expected]
+        other_tensors = source.load(others)
+        ordered = [
+            (name, language_tensors[name] if name in expected else other_tensors[name]) for name in source.names()
+        ]
+        _write_shards(tmp, ordered, max_shard_size)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_shards(directory: Path, tensors: list[tuple[str, torch.Tensor]], max_shard_size: int) -> None:
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, tensor))
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file({n: t.contiguous() for n, t in shards[0]}, directory / SINGLE_NAME, metadata=metadata)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: t.contiguous() for n, t in shard}, directory / file, metadata=metadata)
+        weight_map.update({name: file for name, _ in shard})
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,140 @@
+"""Bitwise comparison of two sets of HF tensors, summarised per tensor family.
+
+"Correct" is bitwise: same names, dtypes, shapes and ``torch.equal`` values, nothing missing,
+nothing extra. The per-family table is what ``roundtrip`` prints; the EP-boundary check makes
+the original bug (expert 0 copied over expert E/EP) visible by name even when counts match.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+_FAMILIES: tuple[tuple[str, str], ...] = (
+    (r"(^|\.)embed_tokens\.weight$", "embedding"),
+    (r"(^|\.)(embed_tokens_per_layer|per_layer_model_projection|per_layer_projection_norm)\.", "per-layer embedding"),
+    (r"\.layers\.\d+\.(per_layer_input_gate|per_layer_projection|post_per_layer_input_norm)\.", "per-layer embedding"),
+    (r"\.experts\.", "routed experts"),
+    (r"\.router\.", "router"),
+    (r"\.self_attn\.(q|k|v|o)_proj\.", "attention projections"),
+    (r"\.self_attn\.(q|k)_norm\.", "q/k norms"),
+    (r"\.mlp\.", "dense MLP"),
+    (r"\.layer_scalar$", "layer scalar"),
+    (r"\.layers\.\d+\..*norm", "layer norms"),
+    (r"(^|\.)norm\.weight$", "final norm"),
+)
+
+
+def family_of(name: str) -> str:
+    """The family a HF tensor name belongs to (for reports); ``other`` when none matches."""
+    for pattern, family in _FAMILIES:
+        if re.search(pattern, name):
+            return family
+    return "other"
+
+
+def tensors_identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise identity: dtype, shape and every element (``torch.equal``)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@dataclass
+class FamilyStats:
+    count: int = 0
+    nbytes: int = 0
+    equal: int = 0
+
+
+@dataclass
+class Comparison:
+    """The outcome of comparing a candidate set of tensors against a reference set."""
+
+    missing: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+    different: list[str] = field(default_factory=list)
+    families: dict[str, FamilyStats] = field(default_factory=dict)
+    ep_boundaries: list[str] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return not (self.missing or self.extra or self.different)
+
+    @property
+    def total(self) -> FamilyStats:
+        total = FamilyStats()
+        for stats in self.families.values():
+            total.count += stats.count
+            total.nbytes += stats.nbytes
+            total.equal += stats.equal
+        return total
+
+    def as_dict(self) -> dict:
+        return {
+            "identical": self.identical,
+            "missing": self.missing,
+            "extra": self.extra,
+            "different": self.different,
+            "families": {name: vars(stats) for name, stats in self.families.items()},
+            "ep_boundary_failures": self.ep_boundaries,
+        }
+
+
+def compare(reference: Mapping[str, torch.Tensor], candidate: Mapping[str, torch.Tensor], *, ep: int = 1) -> Comparison:
+    """Compare ``candidate`` with ``reference`` bitwise; check experts at every EP boundary by name."""
+    result = Comparison(
+        missing=sorted(set(reference) - set(candidate)),
+        extra=sorted(set(candidate) - set(reference)),
+    )
+    for name, ref in reference.items():
+        stats = result.families.setdefault(family_of(name), FamilyStats())
+        stats.count += 1
+        stats.nbytes += ref.numel() * ref.element_size()
+        if name not in candidate:
+            continue
+        if tensors_identical(ref, candidate[name]):
+            stats.equal += 1
+        else:
+            result.different.append(name)
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            result.ep_boundaries.extend(_check_expert_boundaries(name, ref, candidate[name], ep))
+    return result
+
+
+def ep_boundary_pairs(num_experts: int, ep: int) -> list[tuple[int, int]]:
+    """The expert ids on both sides of each expert-parallel boundary: (last of rank r, first of r+1)."""
+    per_rank = num_experts // ep if ep > 0 and num_experts % ep == 0 else num_experts
+    return [(b - 1, b) for b in range(per_rank, num_experts, per_rank)]
+
+
+def _check_expert_boundaries(name: str, ref: torch.Tensor, got: torch.Tensor, ep: int) -> list[str]:
+    if got.shape != ref.shape or ref.ndim < 1:
+        return []
+    failures = []
+    for left, right in ep_boundary_pairs(ref.shape[0], max(ep, 2)):
+        for expert in (left, right):
+            if not torch.equal(got[expert], ref[expert]):
+                failures.append(f"{name}: expert {expert} is not in place")
+        if torch.equal(got[left], got[right]):
+            failures.append(f"{name}: experts {left} and {right} are duplicates across an EP boundary")
+    return failures
+
+
+def format_report(result: Comparison, title: str) -> str:
+    """The per-family table (count, bytes, bitwise equal) and the list of problems, if any."""
+    lines = [title, f"{'family':<24}{'tensors':>8}{'bytes':>14}  bitwise equal"]
+    for family in sorted(result.families):
+        stats = result.families[family]
+        mark = "yes" if stats.equal == stats.count else f"NO ({stats.equal}/{stats.count})"
+        lines.append(f"{family:<24}{stats.count:>8}{stats.nbytes:>14,}  {mark}")
+    total = result.total
+    mark = "yes" if result.identical else f"NO ({total.equal}/{total.count})"
+    lines.append(f"{'total':<24}{total.count:>8}{total.nbytes:>14,}  {mark}")
+    for label, names in (("missing", result.missing), ("extra", result.extra), ("different", result.different)):
+        if names:
+            shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+            lines.append(f"{label}: {shown}")
+    lines.extend(result.ep_boundaries[:10])
+    return "\n".join(lines)
