@@ -31,13 +31,13 @@ from megatron.bridge.models.conversion.param_mapping import (
     FusedGatedExpertMapping,
     GatedMLPMapping,
 )
-from megatron.bridge.models.gemma.gemma4_bridge import Gemma4Bridge, _Gemma4QKVMapping
+from megatron.bridge.models.gemma.gemma4_bridge import Gemma4Bridge, _Gemma4DenseQKVMapping, _Gemma4QKVMapping
 from megatron.bridge.models.gemma.gemma4_provider import Gemma4DenseProvider
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from vime_gemma4_bridge.layer_pattern import pattern_from_layer_types
 from vime_gemma4_bridge.mappings import AutoMapping, ReplicatedMapping
-from vime_gemma4_bridge.provider import Gemma4TextModelProvider
+from vime_gemma4_bridge.provider import Gemma4DenseTextModelProvider, Gemma4TextModelProvider
 from vime_gemma4_bridge.tied import check_tied_embeddings
 
 #: Where the language model's tensors live in each supported HF class.
@@ -96,6 +96,45 @@ MOE_MAPPING_TABLE: tuple[tuple[type, str, str | dict[str, str]], ...] = (
 )
 
 
+# The dense model (E2B/E4B/31B style): Megatron-Bridge's dense Gemma 4 layout, same conventions.
+DENSE_MAPPING_TABLE: tuple[tuple[type, str, str | dict[str, str]], ...] = (
+    (AutoMapping, "embedding.word_embeddings.weight", "embed_tokens.weight"),
+    (AutoMapping, "decoder.final_layernorm.weight", "norm.weight"),
+    # per-layer embeddings (PLE)
+    (AutoMapping, "per_layer_embedding.weight", "embed_tokens_per_layer.weight"),
+    (AutoMapping, "per_layer_model_proj.weight", "per_layer_model_projection.weight"),
+    (ReplicatedMapping, "per_layer_proj_norm.weight", "per_layer_projection_norm.weight"),
+    (ReplicatedMapping, "decoder.layers.*.per_layer_input_gate.weight", "layers.*.per_layer_input_gate.weight"),
+    (ReplicatedMapping, "decoder.layers.*.per_layer_projection.weight", "layers.*.per_layer_projection.weight"),
+    (ReplicatedMapping, "decoder.layers.*.post_per_layer_input_norm.weight", "layers.*.post_per_layer_input_norm.weight"),
+    # attention: kv-shared layers have no k/v projections in HF
+    (AutoMapping, "decoder.layers.*.input_layernorm.weight", "layers.*.input_layernorm.weight"),
+    (
+        _Gemma4DenseQKVMapping,
+        "decoder.layers.*.self_attention.linear_qkv.weight",
+        {
+            "q": "layers.*.self_attn.q_proj.weight",
+            "k": "layers.*.self_attn.k_proj.weight",
+            "v": "layers.*.self_attn.v_proj.weight",
+        },
+    ),
+    (AutoMapping, "decoder.layers.*.self_attention.q_layernorm.weight", "layers.*.self_attn.q_norm.weight"),
+    (AutoMapping, "decoder.layers.*.self_attention.k_layernorm.weight", "layers.*.self_attn.k_norm.weight"),
+    (AutoMapping, "decoder.layers.*.self_attention.linear_proj.weight", "layers.*.self_attn.o_proj.weight"),
+    (AutoMapping, "decoder.layers.*.post_self_attn_layernorm.weight", "layers.*.post_attention_layernorm.weight"),
+    # MLP
+    (AutoMapping, "decoder.layers.*.pre_mlp_layernorm.weight", "layers.*.pre_feedforward_layernorm.weight"),
+    (
+        GatedMLPMapping,
+        "decoder.layers.*.mlp.linear_fc1.weight",
+        {"gate": "layers.*.mlp.gate_proj.weight", "up": "layers.*.mlp.up_proj.weight"},
+    ),
+    (AutoMapping, "decoder.layers.*.mlp.linear_fc2.weight", "layers.*.mlp.down_proj.weight"),
+    (AutoMapping, "decoder.layers.*.post_mlp_layernorm.weight", "layers.*.post_feedforward_layernorm.weight"),
+    (ReplicatedMapping, "decoder.layers.*.layer_scalar", "layers.*.layer_scalar"),
+)
+
+
 def build_registry(table: Iterable[tuple[type, str, str | dict[str, str]]], hf_prefix: str) -> MegatronMappingRegistry:
     """Instantiate a mapping table for one HF class (prefix)."""
     mappings = []
@@ -130,12 +169,17 @@ class Gemma4LanguageModelBridge(Gemma4Bridge):
         dtype = _config_dtype(text_config) or _config_dtype(self.hf_config) or torch.float32
         if not getattr(text_config, "enable_moe_block", False):
             self._is_dense = True
-            provider = self._build_dense_provider(text_config)
+            provider = Gemma4DenseTextModelProvider(**_init_fields(self._build_dense_provider(text_config)))
+            # Upstream's dense build always pads the vocab to this multiple (default 128) while its
+            # embedding mapping copies the HF table unpadded; a divisor of the vocab means no padding.
+            provider.make_vocab_size_divisible_by = self.make_vocab_size_divisible_by(text_config.vocab_size)
+            provider.num_global_query_groups = self._dense_num_global_query_groups = global_kv_heads(text_config)
         else:
             self._is_dense = False
             upstream = self._build_moe_provider(text_config)
             provider = Gemma4TextModelProvider(**_init_fields(upstream))
             provider.interleaved_attn_pattern = pattern_from_layer_types(text_config.layer_types)
+            provider.num_global_key_value_heads = global_kv_heads(text_config)
         # Keep the checkpoint's dtype: a bf16 copy of an fp32 checkpoint cannot round-trip bitwise.
         provider.params_dtype = dtype
         provider.bf16 = dtype == torch.bfloat16
@@ -145,9 +189,8 @@ class Gemma4LanguageModelBridge(Gemma4Bridge):
         return provider
 
     def mapping_registry(self) -> MegatronMappingRegistry:
-        if self._is_dense_config():
-            return self._dense_mapping_registry()
-        return build_registry(MOE_MAPPING_TABLE, self._hf_layer_prefix())
+        table = DENSE_MAPPING_TABLE if self._is_dense_config() else MOE_MAPPING_TABLE
+        return build_registry(table, self._hf_layer_prefix())
 
     def build_conversion_tasks(self, hf_pretrained: Any, megatron_model: list, weight_dtype: Any = None) -> list:
         """Upstream's tasks, refusing silently skipped parameters (upstream only logs a warning)."""
@@ -167,6 +210,18 @@ class Gemma4LanguageModelBridge(Gemma4Bridge):
         """Upstream export, after proving the tied output layer still equals the embedding."""
         check_tied_embeddings(megatron_model)
         yield from super().stream_weights_megatron_to_hf(megatron_model, hf_pretrained, *args, **kwargs)
+
+
+def global_kv_heads(text_config: Any) -> int:
+    """KV heads of full-attention layers, as transformers builds them.
+
+    ``num_global_key_value_heads`` applies only with ``attention_k_eq_v`` (transformers'
+    ``use_alternative_attention``); otherwise full layers keep ``num_key_value_heads``. Upstream
+    uses the global count whenever it is set, which mis-shapes k_proj of such checkpoints.
+    """
+    if getattr(text_config, "attention_k_eq_v", False) and getattr(text_config, "num_global_key_value_heads", None):
+        return int(text_config.num_global_key_value_heads)
+    return int(text_config.num_key_value_heads)
 
 
 def _config_dtype(config: Any) -> torch.dtype | None:

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vime_gemma4_bridge import tiny
 
     parser = argparse.ArgumentParser(
         prog="vime-gemma4",
@@ -16,6 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     tiny.add_parser(sub)
+    demo.add_parser(sub)
+    roundtrip.add_parser(sub)
     return parser
 
 

@@ -40,9 +40,8 @@ def validate_model_topology(config: Mapping[str, Any], topology: Topology) -> No
         ("KV heads", int(text["num_key_value_heads"]), topology.tp, "--tp"),
         ("FFN size (intermediate_size)", int(text["intermediate_size"]), topology.tp, "--tp"),
     ]
-    if "full_attention" in (text.get("layer_types") or []):
-        global_kv = text.get("num_global_key_value_heads") or text["num_key_value_heads"]
-        checks.append(("global KV heads", int(global_kv), topology.tp, "--tp"))
+    if text.get("attention_k_eq_v") and text.get("num_global_key_value_heads"):
+        checks.append(("global KV heads", int(text["num_global_key_value_heads"]), topology.tp, "--tp"))
     if moe:
         checks += [
             ("experts", int(text["num_experts"]), topology.ep, "--ep"),

@@ -13,10 +13,14 @@ with Megatron-Bridge's ``AutoMapping`` so the bridge picks the same parallel map
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
+from collections.abc import Iterator
 
 import torch
 from megatron.bridge.models.conversion.param_mapping import AutoMapping
+from megatron.bridge.models.gemma.gemma3_provider import Gemma3LanguageModelEmbedding
 from megatron.bridge.models.gemma.modeling_gemma4 import Gemma4RMSNorm, _gemma4_rms_norm
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.tensor_parallel.layers import (
@@ -70,12 +74,91 @@ class RowParallelLinearLayerNorm(RowParallelLinear):
         return self.post_layernorm(output), bias
 
 
-class Gemma4DotProductAttention(DotProductAttention):
+def causal_window_mask(sq: int, sk: int, window: tuple[int, int] | None, device: torch.device) -> Tensor:
+    """Boolean mask ``[sq, sk]`` (True = masked) of causal attention, optionally limited to ``window``.
+
+    Same positions as megatron-core's ``get_default_causal_mask`` / ``get_sliding_window_causal_mask``
+    (window ``(left, right)``: a query attends to keys ``left`` before it up to ``right`` after it,
+    here never past itself), built on ``device`` instead of a hard-coded ``"cuda"``. Queries are
+    the last ``sq`` of ``sk`` positions, as in megatron-core.
+    """
+    query_pos = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+    key_pos = torch.arange(sk, device=device).unsqueeze(0)
+    masked = key_pos > query_pos
+    if window is not None:
+        masked = masked | (query_pos - key_pos > window[0]) | (key_pos - query_pos > window[1])
+    return masked
+
+
+class HostDotProductAttention(DotProductAttention):
+    """megatron-core's local ``DotProductAttention`` that runs on any device, CPU included.
+
+    Upstream's forward takes its score buffer from ``get_global_memory_buffer()`` and its
+    causal / sliding-window masks from helpers that all allocate on ``"cuda"``, so it cannot run
+    on a CPU host. This class computes the same function (scores ``q·kᵀ × softmax_scale``, the
+    same ``FusedScaleMaskSoftmax`` for masking and the fp32 softmax, GQA by repeating KV heads)
+    with tensors on the inputs' device, and applies the layer's window itself.
+    """
+
+    #: Sliding window ``(left, right)`` of this layer, or None for full causal attention.
+    host_window: tuple[int, int] | None
+
+    def _take_over_masking(self) -> None:
+        """Move the window out of the softmax (which would build its mask on CUDA) into this module."""
+        self.host_window = self.scale_mask_softmax.window_size
+        self.scale_mask_softmax.window_size = None
+
+    @classmethod
+    def adopt(cls, module: DotProductAttention) -> None:
+        """Turn an already built megatron-core ``DotProductAttention`` into this class, in place.
+
+        It has no parameters, so names, shapes and checkpoints are unchanged.
+        """
+        if type(module) is not DotProductAttention:
+            raise TypeError(f"expected megatron-core DotProductAttention, got {type(module).__name__}")
+        module.__class__ = cls
+        module._take_over_masking()
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params=None,
+    ) -> Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("packed sequences and attention bias need Transformer Engine's attention")
+        # [s, b, heads, d]; repeat KV groups to the query heads (GQA), as megatron-core does.
+        groups = query.size(2) // key.size(2)
+        if groups > 1:
+            key = key.repeat_interleave(groups, dim=2)
+            value = value.repeat_interleave(groups, dim=2)
+        sq, batch, heads, _ = query.shape
+        sk = key.size(0)
+        scores = torch.matmul(query.permute(1, 2, 0, 3), key.permute(1, 2, 3, 0)) * self.softmax_scale
+        # A given mask (e.g. padding) is honoured together with causality and the window; upstream
+        # would replace it by the window mask on sliding layers.
+        mask = causal_window_mask(sq, sk, self.host_window, query.device)
+        if attention_mask is not None:
+            mask = mask | attention_mask.to(device=query.device, dtype=torch.bool)
+        # The torch path of megatron-core's softmax (fp32 softmax, masked_fill); its fused kernels are CUDA-only.
+        probs = self.scale_mask_softmax.forward_torch_softmax(scores, mask, self.softmax_offset)
+        probs = self.attention_dropout(probs)
+        context = torch.matmul(probs.to(value.dtype), value.permute(1, 2, 0, 3))  # [b, heads, sq, d]
+        return context.permute(2, 0, 1, 3).reshape(sq, batch, heads * value.size(-1))
+
+
+class Gemma4DotProductAttention(HostDotProductAttention):
     """Twin of ``Gemma4TEDotProductAttention``: causal attention, sliding window on sliding layers.
 
     Megatron-core's local attention reads the window from the config; Gemma 4 decides it per
     layer from ``layer_types`` (see :mod:`vime_gemma4_bridge.layer_pattern`), so each layer gets a
-    config copy with the HF window ``sliding_window`` expressed as Megatron's ``(W - 1, 0)``.
+    config copy with the HF window ``sliding_window`` expressed as Megatron's ``(W - 1, 0)``
+    (a query sees itself and the ``W - 1`` tokens before it, as in transformers). Softmax scale
+    1.0 comes from the provider (Gemma 4 normalises q and k instead of scaling).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType, **kwargs) -> None:
@@ -87,6 +170,68 @@ class Gemma4DotProductAttention(DotProductAttention):
         config.window_attn_skip_freq = None
         kwargs.pop("cp_comm_type", None)
         super().__init__(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type, **kwargs)
+        self._take_over_masking()
+
+
+class Gemma4LanguageModelEmbedding(Gemma3LanguageModelEmbedding):
+    """Token embedding times ``sqrt(hidden_size)`` rounded to the embedding dtype, as transformers does.
+
+    Upstream (``Gemma3LanguageModelEmbedding``) multiplies by the exact Python float; transformers'
+    ``Gemma4TextScaledWordEmbedding`` multiplies by the scale cast to the weight dtype (bf16:
+    sqrt(2816) = 53.07 becomes 53.0). Identical in float32 and wherever the root is exact.
+    """
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, tokentype_ids: int | None = None) -> Tensor:
+        embeddings = super(Gemma3LanguageModelEmbedding, self).forward(input_ids, position_ids, tokentype_ids)
+        weight = self.word_embeddings.weight
+        scale = torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(weight.dtype)
+        return embeddings * scale.to(embeddings.device)
+
+
+@contextlib.contextmanager
+def host_cuda_device() -> Iterator[None]:
+    """While active on a host without CUDA, ``torch.cuda.current_device()`` answers the CPU.
+
+    megatron-core's forward path allocates on ``torch.cuda.current_device()`` in many places that
+    take no device argument: TP/EP gathers and reduce-scatters (``tensor_parallel.mappings``, used
+    by the MoE token dispatcher), the global memory buffer, RoPE (``inv_freq`` moved on first use)
+    and the MoE router (its weight moved on first use). Without a driver each of them raises;
+    pointing them at the CPU makes the same computation run there, over gloo. Where CUDA exists
+    this does nothing.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original  # type: ignore[assignment]
+
+
+def prepare_host_forward(model: nn.Module) -> nn.Module:
+    """Let a built Gemma 4 ``GPTModel`` run its forward pass on a host without CUDA. In place.
+
+    Every plain megatron-core ``DotProductAttention`` (the dense model's core attention) becomes a
+    :class:`HostDotProductAttention` (no parameters: names, shapes and checkpoints unchanged), and
+    the model's forward runs inside :func:`host_cuda_device`. Does nothing where CUDA exists.
+    """
+    if torch.cuda.is_available() or getattr(model, "_vime_host_forward", False):
+        return model
+    for module in model.modules():
+        if type(module) is DotProductAttention:
+            HostDotProductAttention.adopt(module)
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def host_forward(*args, **kwargs):
+        with host_cuda_device():
+            return forward(*args, **kwargs)
+
+    model.forward = host_forward
+    model._vime_host_forward = True
+    return model
 
 
 class _GroupedLinear(nn.Module):
