@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vime_gemma4_bridge import demo, roundtrip, tiny
 
     parser = argparse.ArgumentParser(
         prog="vime-gemma4",
