@@ -35,16 +35,11 @@ from megatron.bridge.models.gemma.gemma4_bridge import Gemma4Bridge, _Gemma4Dens
 from megatron.bridge.models.gemma.gemma4_provider import Gemma4DenseProvider
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from vime_gemma4_bridge.hf_io import LANGUAGE_MODEL_PREFIX
 from vime_gemma4_bridge.layer_pattern import pattern_from_layer_types
 from vime_gemma4_bridge.mappings import AutoMapping, ReplicatedMapping
 from vime_gemma4_bridge.provider import Gemma4DenseTextModelProvider, Gemma4TextModelProvider
 from vime_gemma4_bridge.tied import check_tied_embeddings
-
-#: Where the language model's tensors live in each supported HF class.
-LANGUAGE_MODEL_PREFIX = {
-    "Gemma4ForCausalLM": "model.",
-    "Gemma4ForConditionalGeneration": "model.language_model.",
-}
 
 # ---------------------------------------------------------------------------------------------
 # The mapping table of the MoE model. Megatron names are relative to the GPTModel; HF names are

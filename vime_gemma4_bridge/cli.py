@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vime_gemma4_bridge import demo, roundtrip, tiny
+    from vime_gemma4_bridge import demo, live, roundtrip, tiny
 
     parser = argparse.ArgumentParser(
         prog="vime-gemma4",
@@ -18,6 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_parser(sub)
     demo.add_parser(sub)
     roundtrip.add_parser(sub)
+    live.add_export_live_parser(sub)
+    live.add_verify_parser(sub)
     return parser
 
 

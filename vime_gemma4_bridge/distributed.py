@@ -50,10 +50,12 @@ __all__ = [
     "add_launch_arguments",
     "default_backend",
     "in_torchrun",
+    "is_reporting_process",
     "init_from_env",
     "init_model_parallel",
     "launch",
     "parallel_layout",
+    "requested_world_size",
     "reset_model_parallel",
     "run_ranks",
     "single_process_group",
@@ -352,6 +354,16 @@ def _join_process_group(backend: str, *, rank: int, world_size: int, local_rank:
         torch.cuda.set_device(device)
         init_kwargs["device_id"] = device
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **init_kwargs)
+
+
+def requested_world_size(nproc: int | None) -> int:
+    """The world a command will run in: ``--nproc``, else torchrun's ``WORLD_SIZE``, else one rank."""
+    return nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_reporting_process() -> bool:
+    """Whether this process prints a command's report: the launcher, or global rank 0 under torchrun."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def in_torchrun() -> bool:

@@ -19,8 +19,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from vime_gemma4_bridge.bridge import LANGUAGE_MODEL_PREFIX
-
+#: Where the language model's tensors live in each supported HF class.
+LANGUAGE_MODEL_PREFIX = {
+    "Gemma4ForCausalLM": "model.",
+    "Gemma4ForConditionalGeneration": "model.language_model.",
+}
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 #: Weight files are rewritten; every other file of the source (config, generation config,

@@ -41,7 +41,8 @@ def gemma4_block_spec(config: Any, vp_stage: int | None = None) -> Any:
     if te_available():
         return _gemma4_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
     block_spec = _gemma4_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
-    # transformers' final norm is Gemma 4's RMSNorm (fp32 math, ``pow(-0.5)``), not torch's RMSNorm.
+    # Gemma 4's RMSNorm (params in params_dtype, HF's fp32 math) for the final norm too: megatron-core's
+    # local WrappedTorchNorm keeps an fp32 weight, which breaks bitwise export of bf16 checkpoints.
     block_spec.layer_norm = Gemma4RMSNorm
     for layer_spec in block_spec.layer_specs:
         layer = layer_spec.submodules

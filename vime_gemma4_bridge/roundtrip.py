@@ -14,7 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vime_gemma4_bridge.distributed import Topology, add_launch_arguments, launch
+from vime_gemma4_bridge.distributed import (
+    Topology,
+    add_launch_arguments,
+    is_reporting_process,
+    launch,
+    requested_world_size,
+)
 
 DESCRIPTION = """\
 Load a Gemma 4 HF checkpoint into the Megatron model at the given parallel topology (gloo CPU
@@ -80,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         topology = Topology.from_args(args)
-        topology.validate(args.nproc or _env_world_size())
+        topology.validate(requested_world_size(args.nproc))
         source = hf_io.HFCheckpoint(args.hf_checkpoint)
         convert.validate_model_topology(source.config, topology)
         if args.output:
@@ -99,14 +105,14 @@ def run(args: argparse.Namespace) -> int:
         max_shard_size,
     )
     result = results[0]
-    if not _is_printing_rank():
+    if not is_reporting_process():
         return 0 if result["identical"] else 1
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "report"}, indent=2))
     else:
         print(result["report"])
         total = result["total"]
-        world = args.nproc or _env_world_size()
+        world = requested_world_size(args.nproc)
         verdict = "OK" if result["identical"] else "FAILED"
         print(
             f"roundtrip {verdict}: {total['equal']}/{total['count']} language-model tensors bitwise identical "
@@ -116,14 +122,3 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {result['output']}" if result.get("output") else "no output written: tensors differ")
     return 0 if result["identical"] else 1
 
-
-def _env_world_size() -> int:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _is_printing_rank() -> bool:
-    import os
-
-    return os.environ.get("RANK", "0") == "0"

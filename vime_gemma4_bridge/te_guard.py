@@ -67,16 +67,23 @@ class _GuardedLoader(importlib.machinery.SourceFileLoader):
 
 
 class _GuardFinder(importlib.abc.MetaPathFinder):
+    def __init__(self) -> None:
+        self._searching = False  # re-entrancy guard: we ask the other finders, which may include a guard
+
     def find_spec(self, fullname: str, path=None, target=None):
-        if fullname not in UNGUARDED_TE_IMPORTERS:
+        if fullname not in UNGUARDED_TE_IMPORTERS or self._searching:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and isinstance(spec.loader, importlib.machinery.SourceFileLoader):
-                spec.loader = _GuardedLoader(spec.loader.name, spec.loader.path)
-                return spec
+        self._searching = True
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None and isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+                    spec.loader = _GuardedLoader(spec.loader.name, spec.loader.path)
+                    return spec
+        finally:
+            self._searching = False
         return None
 
 

@@ -1,0 +1,141 @@
+"""The live export path (vime's bridge mode) and the weight-update check, on real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from vime_gemma4_bridge import cli
+from vime_gemma4_bridge.distributed import Topology
+from vime_gemma4_bridge.hf_io import HFCheckpoint
+from vime_gemma4_bridge.live import chunk_by_bytes, export_live_job, verify_update
+from vime_gemma4_bridge.tiny import TinySpec, write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def hf_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("live") / "hf", TinySpec(seed=3))
+
+
+def _names_job(hf_checkpoint: str, topology: Topology) -> list[tuple[str, str, tuple[int, ...], str]]:
+    from vime_gemma4_bridge import convert
+    from vime_gemma4_bridge.distributed import init_model_parallel
+    from vime_gemma4_bridge.live import iter_hf_weights
+
+    init_model_parallel(topology)
+    bridge = convert.open_bridge(hf_checkpoint)
+    model = convert.build_model(bridge, topology)
+    bridge.load_hf_weights(model)
+    return [(h, m, tuple(t.shape), str(t.dtype)) for h, t, m in iter_hf_weights(bridge, model, cpu=True)]
+
+
+def test_chunk_by_bytes_bounds_chunks() -> None:
+    tensors = [(f"t{i}", torch.zeros(n, dtype=torch.uint8), f"m{i}") for i, n in enumerate([3, 3, 10, 1, 2, 2])]
+    chunks = list(chunk_by_bytes(tensors, 5))
+    assert [[name for name, *_ in chunk] for chunk in chunks] == [["t0"], ["t1"], ["t2"], ["t3", "t4", "t5"]]
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        list(chunk_by_bytes(tensors, 0))
+
+
+def test_stream_is_the_language_model_with_megatron_names(local_world, hf_vl: Path) -> None:
+    results = local_world(4).run(_names_job, str(hf_vl), Topology(tp=2, pp=2, ep=2))
+    assert all(r == results[0] for r in results), "every rank sees the same stream"
+    stream = results[0]
+    source = HFCheckpoint(hf_vl)
+    reference = source.load(source.language_model_names())
+    assert sorted(h for h, *_ in stream) == sorted(reference)
+    assert {h: (shape, dtype) for h, _, shape, dtype in stream} == {
+        name: (tuple(t.shape), str(t.dtype)) for name, t in reference.items()
+    }
+    megatron = {h: m for h, m, *_ in stream}
+    assert megatron["model.language_model.layers.1.experts.gate_up_proj"] == (
+        "decoder.layers.1.mlp.experts.linear_fc1.weight"
+    )
+    assert megatron["model.language_model.layers.0.self_attn.k_proj.weight"] == (
+        "decoder.layers.0.self_attention.linear_qkv.weight"
+    )
+    assert megatron["model.language_model.embed_tokens.weight"] == "embedding.word_embeddings.weight"
+    assert not any("vision" in h or "lm_head" in h for h in megatron)
+    assert "model.language_model.layers.1.self_attn.v_proj.weight" not in megatron  # k_eq_v global layer
+
+
+def check_dump(dump: Path, hf: Path, buffer_size: int) -> None:
+    seen: set[str] = set()
+    index = json.loads((dump / "model.safetensors.index.json").read_text())["weight_map"]
+    for file in sorted(dump.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as handle:
+            names = list(handle.keys())
+            sizes = [handle.get_tensor(n).numel() * handle.get_tensor(n).element_size() for n in names]
+        assert len(names) == 1 or sum(sizes) <= buffer_size, f"{file.name} exceeds the buffer"
+        assert not seen & set(names), "a tensor was pushed twice"
+        seen |= set(names)
+        assert all(index[n] == file.name for n in names)
+    report = verify_update(hf, dump)
+    assert report["ok"], report["problems"]
+
+
+def test_export_live_at_the_reported_topology(local_world, hf_vl: Path, tmp_path: Path) -> None:
+    """Acceptance shape: TP2·PP2·EP4·ETP1 on 8 ranks, chunks within the buffer, union == LM tensors."""
+    buffer_size = 60_000
+    result = local_world(8).run(
+        export_live_job, str(hf_vl), Topology(tp=2, pp=2, ep=4, etp=1), str(tmp_path / "dump"), buffer_size, False
+    )[0]
+    assert result["chunks"] > 5 and result["tensors"] == len(HFCheckpoint(hf_vl).language_model_names())
+    check_dump(tmp_path / "dump", hf_vl, buffer_size)
+
+
+def test_verify_update_names_every_mismatch(hf_vl: Path, tmp_path: Path, capsys) -> None:
+    source = HFCheckpoint(hf_vl)
+    names = source.language_model_names()
+    tensors = source.load(names)
+    dump = tmp_path / "weight_v000003"
+    dump.mkdir()
+    experts = "model.language_model.layers.0.experts.down_proj"
+    broken = tensors[experts].clone()
+    broken[8] = broken[0]
+    first = {n: tensors[n] for n in names[: len(names) // 2]}
+    second = {n: tensors[n] for n in names[len(names) // 2 :] if n != names[-1]}
+    first[experts] = broken
+    second.pop(experts, None)
+    second[names[0]] = tensors[names[0]]  # pushed twice
+    save_file(first, dump / "model-00001-of-00002.safetensors")
+    save_file(second, dump / "model-00002-of-00002.safetensors")
+
+    assert cli.main(["verify-update", "--hf-checkpoint", str(hf_vl), "--dump", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"MISMATCH {experts}: values differ (fingerprint" in out
+    assert f"MISMATCH {names[0]}: pushed twice" in out
+    assert f"MISMATCH {names[-1]}: missing from the update" in out
+    assert "verify-update FAILED" in out.splitlines()[-1]
+
+
+def test_verify_update_refuses_bad_input(hf_vl: Path, tmp_path: Path, capsys) -> None:
+    assert cli.main(["verify-update", "--hf-checkpoint", str(hf_vl), "--dump", str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert cli.main(["verify-update", "--hf-checkpoint", str(hf_vl), "--dump", str(tmp_path)]) == 2
+    assert "no .safetensors" in capsys.readouterr().err
+
+
+def test_export_live_refuses_before_launching(hf_vl: Path, tmp_path: Path, capsys) -> None:
+    args = ["export-live", "--hf-checkpoint", str(hf_vl), "--dump", str(tmp_path / "d"), "--buffer-size", "1MB"]
+    assert cli.main([*args, "--ep", "3", "--nproc", "3"]) == 2
+    assert "16 experts do not divide by --ep 3" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+
+
+def test_verify_accepts_a_dtype_or_shape_change_as_mismatch(hf_vl: Path, tmp_path: Path) -> None:
+    source = HFCheckpoint(hf_vl)
+    tensors = source.load(source.language_model_names())
+    name = "model.language_model.norm.weight"
+    tensors[name] = tensors[name].float()
+    dump = tmp_path / "d"
+    dump.mkdir()
+    save_file(tensors, dump / "model-00001-of-00001.safetensors")
+    report = verify_update(hf_vl, dump)
+    assert not report["ok"]
+    assert report["problems"] == [f"{name}: torch.float32 (64,) pushed, checkpoint has torch.bfloat16 (64,)"]
