@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vime_gemma4_bridge import demo, live, roundtrip, tiny
+    from vime_gemma4_bridge import demo, doctor, live, roundtrip, tiny
 
     parser = argparse.ArgumentParser(
         prog="vime-gemma4",
@@ -18,12 +19,17 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_parser(sub)
     demo.add_parser(sub)
     roundtrip.add_parser(sub)
+    doctor.add_parser(sub)  # compare
+    doctor.add_probe_parser(sub)  # probe
     live.add_export_live_parser(sub)
     live.add_verify_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # megatron.training configures root logging to stdout when imported; claiming the root logger
+    # first keeps stdout for reports (``--json`` stays parseable) and library chatter on stderr.
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
