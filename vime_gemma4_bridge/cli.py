@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vime_gemma4_bridge import demo, doctor, live, roundtrip, tiny
+    from vime_gemma4_bridge import demo, doctor, live, parity, roundtrip, tiny
 
     parser = argparse.ArgumentParser(
         prog="vime-gemma4",
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_probe_parser(sub)  # probe
     live.add_export_live_parser(sub)
     live.add_verify_parser(sub)
+    parity.add_parser(sub)
     return parser
 
 

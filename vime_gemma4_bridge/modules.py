@@ -96,8 +96,8 @@ class HostDotProductAttention(DotProductAttention):
     Upstream's forward takes its score buffer from ``get_global_memory_buffer()`` and its
     causal / sliding-window masks from helpers that all allocate on ``"cuda"``, so it cannot run
     on a CPU host. This class computes the same function (scores ``q·kᵀ × softmax_scale``, the
-    same ``FusedScaleMaskSoftmax`` for masking and the fp32 softmax, GQA by repeating KV heads)
-    with tensors on the inputs' device, and applies the layer's window itself.
+    torch path of the same ``FusedScaleMaskSoftmax`` for masking and the fp32 softmax, GQA by
+    repeating KV heads) with tensors on the inputs' device, and applies the layer's window itself.
     """
 
     #: Sliding window ``(left, right)`` of this layer, or None for full causal attention.
@@ -183,9 +183,12 @@ class Gemma4LanguageModelEmbedding(Gemma3LanguageModelEmbedding):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, tokentype_ids: int | None = None) -> Tensor:
         embeddings = super(Gemma3LanguageModelEmbedding, self).forward(input_ids, position_ids, tokentype_ids)
-        weight = self.word_embeddings.weight
-        scale = torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(weight.dtype)
-        return embeddings * scale.to(embeddings.device)
+        return embeddings * rounded_embedding_scale(self.config.hidden_size, self.word_embeddings.weight.dtype)
+
+
+def rounded_embedding_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """``sqrt(hidden_size)`` as transformers' Gemma 4 applies it: a float32 scalar cast to ``dtype``."""
+    return float(torch.tensor(hidden_size**0.5, dtype=torch.float32).to(dtype))
 
 
 @contextlib.contextmanager
@@ -237,8 +240,9 @@ def prepare_host_forward(model: nn.Module) -> nn.Module:
 class _GroupedLinear(nn.Module):
     """One linear per local expert, stored as ``weight0 .. weight{K-1}`` like TE's ``GroupedLinear``.
 
-    ``TEGroupedMLP`` (megatron-core) drives it with ``forward(tokens, tokens_per_expert)``; the
-    torch_dist layout (one ShardedTensor per expert on an expert axis, ``_extra_state<k>`` objects)
+    ``TEGroupedMLP`` (megatron-core) drives it with ``forward(tokens, tokens_per_expert)`` and
+    does the expert-TP communication itself, as for TE; the torch_dist layout (one ShardedTensor
+    per expert on an expert axis, ``_extra_state<k>`` objects)
     mirrors ``TEGroupedLinear._sharded_state_dict_grouped`` so checkpoints move between hosts.
     """
 
@@ -282,10 +286,11 @@ class _GroupedLinear(nn.Module):
         splits = tokens_per_expert.tolist() if isinstance(tokens_per_expert, Tensor) else list(tokens_per_expert)
         chunks = torch.split(x, splits, dim=0)
         outputs = [torch.matmul(chunk, getattr(self, f"weight{k}").t()) for k, chunk in enumerate(chunks)]
-        out = torch.cat(outputs, dim=0)
-        if self.partition_dim == 1 and self.tp_group.size() > 1:
-            torch.distributed.all_reduce(out, group=self.tp_group)
-        return out, None
+        # No reduction over expert-TP here: like TE's grouped linears for experts
+        # (``explicit_expert_comm``), the row-parallel partial sums are reduced by megatron-core's
+        # token dispatcher when it combines (reduce-scatter over the TP x EP group). Reducing here
+        # as well multiplied the routed output by ETP, which Gemma 4's post-MoE RMSNorm hides up to eps.
+        return torch.cat(outputs, dim=0), None
 
     def backward_dw(self) -> None:
         """Deferred weight-gradient hook of the TE interface; nothing is deferred here."""

@@ -32,6 +32,7 @@ from vime_gemma4_bridge.modules import (
     RowParallelLinearLayerNorm,
     host_cuda_device,
     prepare_host_forward,
+    rounded_embedding_scale,
 )
 from vime_gemma4_bridge.te_guard import te_available
 
@@ -67,7 +68,12 @@ def gemma4_block_spec(config: Any, vp_stage: int | None = None) -> Any:
 
 @dataclass
 class Gemma4TextModelProvider(Gemma4ModelProvider):
-    """Megatron-Bridge's Gemma 4 MoE provider with a layer spec that also builds on CPU hosts."""
+    """Megatron-Bridge's Gemma 4 MoE provider with a layer spec that also builds (and runs) on CPU hosts.
+
+    The built model embeds with transformers' dtype-rounded ``sqrt(hidden)`` scale
+    (:class:`~vime_gemma4_bridge.modules.Gemma4LanguageModelEmbedding`) and, without CUDA, runs
+    its forward through :func:`~vime_gemma4_bridge.modules.prepare_host_forward`.
+    """
 
     transformer_layer_spec: Any = field(default_factory=lambda: gemma4_block_spec)
 
@@ -100,9 +106,9 @@ class Gemma4DenseTextModelProvider(Gemma4DenseProvider):
     Changes to the built model, names and shapes untouched: every parameter and buffer in
     ``params_dtype``; the embedding scale ``sqrt(hidden)`` rounded to the embedding dtype as in
     transformers (upstream multiplies by the exact float, which differs in bf16 unless the root is
-    exact); on hosts without CUDA the rotary embeddings and core attention swapped for
-    device-agnostic twins (:func:`vime_gemma4_bridge.modules.prepare_host_forward`); the vocab
-    not padded (see ``provider_bridge``).
+    exact); on hosts without CUDA the core attention swapped for a device-agnostic twin and the
+    forward run with CPU allocations (:func:`vime_gemma4_bridge.modules.prepare_host_forward`);
+    the vocab not padded (see ``provider_bridge``).
     """
 
     def provide(self, pre_process: bool | None = None, post_process: bool | None = None, vp_stage: int | None = None):
@@ -138,9 +144,8 @@ def _install_rounded_embedding_scale(model: torch.nn.Module) -> None:
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, **kwargs):
         if decoder_input is None:
-            weight = self.embedding.word_embeddings.weight
-            scale = torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(weight.dtype)
-            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids) * scale.to(weight.device)
+            scale = rounded_embedding_scale(self.config.hidden_size, self.embedding.word_embeddings.weight.dtype)
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids) * scale
         return dense_forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs)
 
     model.forward = types.MethodType(forward, model)
