@@ -33,6 +33,7 @@ import pickle
 import random
 import signal
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -574,6 +575,11 @@ def _rank_main(
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
+        # tqdm (progress bars of transformers / Megatron-Bridge) would create a multiprocessing lock,
+        # a named semaphore; ranks end with os._exit, so the resource tracker would report it leaked.
+        from tqdm import tqdm
+
+        tqdm.set_lock(threading.RLock())
         for module in preload:
             importlib.import_module(module)
         store = dist.TCPStore(
