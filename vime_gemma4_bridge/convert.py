@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.bridge import AutoBridge
 
 from vime_gemma4_bridge.distributed import Topology
 
@@ -59,12 +58,18 @@ def validate_model_topology(config: Mapping[str, Any], topology: Topology) -> No
         )
 
 
-def open_bridge(hf_checkpoint: str | os.PathLike) -> AutoBridge:
-    """``AutoBridge`` for a local Gemma 4 checkpoint (this plugin's bridge is registered on import)."""
+def open_bridge(hf_checkpoint: str | os.PathLike) -> Any:
+    """``AutoBridge`` for a local Gemma 4 checkpoint (this plugin's bridge is registered before dispatch).
+
+    Imported here, not at module level: validation in the launcher must refuse bad input in
+    seconds, without paying for a Megatron-Bridge import.
+    """
+    from megatron.bridge import AutoBridge
+
     return AutoBridge.from_hf_pretrained(str(hf_checkpoint))
 
 
-def build_model(bridge: AutoBridge, topology: Topology) -> list[torch.nn.Module]:
+def build_model(bridge: Any, topology: Topology) -> list[torch.nn.Module]:
     """The Megatron model chunks of this rank for ``topology`` (parallel state already initialised)."""
     on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
     provider = bridge.to_megatron_provider(load_weights=False)
@@ -88,7 +93,7 @@ def is_rank0() -> bool:
     return dist.get_rank() == 0
 
 
-def export_language_model(bridge: AutoBridge, model: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+def export_language_model(bridge: Any, model: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
     """Megatron-Bridge's export (all ranks take part), as ``(hf_name, tensor)`` on CPU; no name twice."""
     seen: set[str] = set()
     for item in bridge.export_hf_weights(model, cpu=True, show_progress=is_rank0()):
@@ -99,7 +104,7 @@ def export_language_model(bridge: AutoBridge, model: list[torch.nn.Module]) -> I
         yield name, tensor
 
 
-def collect_on_rank0(bridge: AutoBridge, model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+def collect_on_rank0(bridge: Any, model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     """Run the export on every rank and keep the tensors on rank 0 only (others get ``{}``)."""
     keep = is_rank0()
     return {name: tensor.clone() for name, tensor in export_language_model(bridge, model) if keep}

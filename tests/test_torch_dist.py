@@ -1,0 +1,606 @@
+"""``vime-gemma4 import`` / ``export``: HF ↔ torch_dist, across topologies, safe outputs, clear refusals.
+
+Conversions run as job functions in the shared worlds (8 ranks, then 4, then 2: each world is started
+once) and every result is compared bitwise with its source over *all* tensors (vision tower included)
+with ``report.compare``. Refusals go through the real command line in this process: they must come
+before any rank is started, so each returns in well under a second and leaves nothing on disk. The
+scripts are run once as programs (under torchrun and plain python).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vime_gemma4_bridge.distributed import RankError, Topology
+from vime_gemma4_bridge.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.torch_dist import (
+    ITERATION_DIR,
+    RUN_CONFIG_NAME,
+    SIDECAR_NAME,
+    TRACKER_NAME,
+    export_job,
+    import_job,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+
+CHECKPOINTS = {
+    # 16 experts, 4 layers, VL: the default tiny model.
+    "moe-vl": TinySpec(),
+    # An irregular layer pattern (per-type torch_dist keys split unevenly over PP stages), 32 experts.
+    "causal-irregular-32E": TinySpec(
+        causal_lm=True,
+        layers=6,
+        layer_types=("sliding", "full", "full", "sliding", "sliding", "full"),
+        experts=32,
+        top_k=8,
+        heads=8,
+        kv_heads=4,
+        global_kv_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        hidden_size=96,
+        seed=7,
+    ),
+    # fp32, no k_eq_v, 8 layers, 8 experts.
+    "causal-fp32-8E": TinySpec(
+        causal_lm=True,
+        layers=8,
+        layer_types=("sliding", "sliding", "sliding", "full") * 2,
+        experts=8,
+        top_k=2,
+        attention_k_eq_v=False,
+        head_dim=12,
+        global_head_dim=24,
+        moe_intermediate_size=24,
+        dtype="float32",
+        seed=11,
+    ),
+    "dense-vl": TinySpec(moe=False),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {name: write_tiny_checkpoint(root / name, spec) for name, spec in CHECKPOINTS.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def assert_same_checkpoint(source: Path, output: Path, *, ep: int = 2) -> None:
+    """Every tensor of ``output`` bitwise equal to ``source`` (language model and vision tower), same side files."""
+    from vime_gemma4_bridge import hf_io, report
+
+    reference, candidate = hf_io.HFCheckpoint(source), hf_io.HFCheckpoint(output)
+    result = report.compare(reference.load(), candidate.load(), ep=ep)
+    assert result.identical, report.format_report(result, f"{output} vs {source}")
+    assert not result.ep_boundaries, result.ep_boundaries
+    side = {p.name for p in source.iterdir() if not p.name.endswith(".safetensors") and p.name != hf_io.INDEX_NAME}
+    written = {p.name for p in output.iterdir() if not p.name.endswith(".safetensors") and p.name != hf_io.INDEX_NAME}
+    assert side == written
+    for name in side:
+        assert (source / name).read_bytes() == (output / name).read_bytes(), name
+
+
+def digest(path: Path) -> dict[str, str]:
+    """sha256 of every file under ``path`` (to prove a source was not modified)."""
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+def leftovers(out: Path) -> list[str]:
+    """Temporary siblings of ``out`` that a finished run should not leave."""
+    return sorted(p.name for p in out.parent.glob(f".{out.name}.*"))
+
+
+def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str, float]:
+    from vime_gemma4_bridge import cli
+
+    capsys.readouterr()
+    start = time.monotonic()
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err, time.monotonic() - start
+
+
+def assert_refused(capsys: pytest.CaptureFixture, argv: list, needles: tuple[str, ...], untouched: Path) -> str:
+    """Non-zero exit within seconds, one ``vime-gemma4 CMD: error:`` line naming ``needles``, nothing written."""
+    existed = untouched.exists()
+    before = digest(untouched) if untouched.is_dir() else None
+    code, out, err, seconds = run_cli(capsys, *argv)
+    assert code != 0
+    assert out == ""
+    errors = [line for line in err.splitlines() if line.startswith("vime-gemma4 ")]
+    assert len(errors) == 1, err
+    line = errors[0]
+    assert line.startswith(f"vime-gemma4 {argv[0]}: error: "), line
+    for needle in needles:
+        assert needle in line, line
+    assert seconds < 5, f"refusal took {seconds:.1f} s: it must come before any rank starts"
+    assert untouched.exists() == existed, "a refusal must not create its output"
+    if before is not None:
+        assert digest(untouched) == before
+    assert not leftovers(untouched)
+    return line
+
+
+def variant(source: Path, out: Path, *, text: dict | None = None, top: dict | None = None) -> Path:
+    """A copy of ``source`` with config.json fields replaced (``text`` in text_config when there is one)."""
+    shutil.copytree(source, out)
+    config = json.loads((out / "config.json").read_text())
+    config.update(top or {})
+    (config.get("text_config") or config).update(text or {})
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# One rank in this process: the command line end to end (no --nproc), and the refusals
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def single_rank(checkpoints, tmp_path_factory) -> dict:
+    """``vime-gemma4 import`` then ``export`` with one rank in this process (no --nproc, no torchrun)."""
+    from vime_gemma4_bridge import cli
+
+    root = tmp_path_factory.mktemp("single")
+    hf = checkpoints["moe-vl"]
+    save, out = root / "torch_dist", root / "hf"
+    times = {}
+    start = time.monotonic()
+    assert cli.main(["import", "--hf-checkpoint", str(hf), "--save", str(save), "--json"]) == 0
+    times["import"] = time.monotonic() - start
+    start = time.monotonic()
+    assert cli.main(["export", "--load", str(save), "--hf-checkpoint", str(hf), "--output", str(out), "--json"]) == 0
+    times["export"] = time.monotonic() - start
+    return {"hf": hf, "save": save, "out": out, "times": times}
+
+
+def test_cli_import_then_export_in_process_is_bitwise(single_rank, capsys) -> None:
+    assert_same_checkpoint(single_rank["hf"], single_rank["out"])
+    save = single_rank["save"]
+    assert (save / TRACKER_NAME).read_text().strip() == "0"
+    assert {p.name for p in (save / ITERATION_DIR).iterdir()} >= {
+        "metadata.json",
+        ".metadata",
+        "__0_0.distcp",
+        RUN_CONFIG_NAME,
+        SIDECAR_NAME,
+    }
+    assert not leftovers(save) and not leftovers(single_rank["out"])
+
+
+def test_json_report_is_the_only_stdout(single_rank, capsys, tmp_path: Path) -> None:
+    """stdout carries exactly one JSON report (progress bars and logs go to stderr)."""
+    out = tmp_path / "again"
+    argv = ["export", "--load", single_rank["save"], "--hf-checkpoint", single_rank["hf"], "--output", out, "--json"]
+    code, stdout, stderr, _ = run_cli(capsys, *argv)
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    assert report["command"] == "export" and report["ok"]
+    assert report["topology"] == "TP1·PP1·EP1·ETP1" and report["world_size"] == 1
+    assert report["tensors"] == 88 and report["bytes"] > 0 and report["seconds"] > 0 and report["gb_per_s"] >= 0
+    assert set(report["phases"]) == {"build", "load", "export", "write"}
+    assert "Converting to HuggingFace" in stderr  # Megatron-Bridge's progress bar, on stderr
+
+
+def test_text_report_and_force_replaces_only_when_complete(single_rank, capsys, tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / "old-file").write_text("old")
+    argv = ["import", "--hf-checkpoint", single_rank["hf"], "--save", save]
+    assert_refused(capsys, argv, ("already exists", "--force"), save)
+    code, stdout, stderr, _ = run_cli(capsys, *argv, "--force")
+    assert code == 0, stderr
+    assert stdout.startswith("import OK: 88 language-model tensors, 739,272 bytes, at TP1·PP1·EP1·ETP1 on 1 rank(s)")
+    assert "GB/s" in stdout and f"wrote torch_dist {save / ITERATION_DIR}" in stdout
+    assert not (save / "old-file").exists() and (save / TRACKER_NAME).is_file()
+    assert not leftovers(save)
+
+
+def test_run_config_instantiates_the_provider(single_rank) -> None:
+    """Megatron-Bridge's loader can rebuild the model from run_config.yaml (allow-listed targets)."""
+    from vime_gemma4_bridge.provider import Gemma4TextModelProvider, gemma4_block_spec
+    from vime_gemma4_bridge.torch_dist import provider_from_run_config
+
+    provider = provider_from_run_config(single_rank["save"] / ITERATION_DIR)
+    assert type(provider) is Gemma4TextModelProvider
+    assert provider.transformer_layer_spec is gemma4_block_spec
+    assert (provider.num_layers, provider.hidden_size, provider.num_moe_experts) == (4, 64, 16)
+    assert provider.interleaved_attn_pattern == ["sliding_attention", "full_attention"] * 2
+    sidecar = json.loads((single_rank["save"] / ITERATION_DIR / SIDECAR_NAME).read_text())
+    assert sidecar["hf_config"] == json.loads((single_rank["hf"] / "config.json").read_text())
+    assert len(sidecar["language_model"]) == 88
+
+
+def test_import_refusals(checkpoints, capsys, tmp_path: Path) -> None:
+    hf = checkpoints["moe-vl"]
+    save = tmp_path / "out"
+    base = ["import", "--hf-checkpoint", hf, "--save", save]
+    refusals = [
+        (["--ep", "3", "--nproc", "3"], ("16 experts", "--ep 3")),
+        (["--tp", "3", "--nproc", "3"], ("16 attention heads", "--tp 3")),
+        (["--tp", "16", "--nproc", "16"], ("8 KV heads", "--tp 16")),
+        (["--etp", "3", "--nproc", "3"], ("16 expert FFN size (moe_intermediate_size)", "--etp 3")),
+        (["--pp", "3", "--nproc", "3"], ("4 layers", "PP×VPP", "3")),
+        (["--pp", "2", "--vpp", "4", "--nproc", "2"], ("4 layers", "PP×VPP", "8")),
+        (["--tp", "2", "--pp", "2", "--nproc", "2"], ("does not fit 2 rank(s)", "--nproc 4")),
+        (["--ep", "4", "--nproc", "6"], ("does not fit 6 rank(s)", "ETP·EP·PP")),
+        (["--nproc", "0"], ("world size must be a whole number",)),
+        (["--vpp", "2", "--nproc", "2"], ("--vpp 2 needs pipeline parallelism",)),
+    ]
+    for extra, needles in refusals:
+        assert_refused(capsys, base + extra, needles, save)
+
+    ffn = variant(hf, tmp_path / "ffn36", text={"intermediate_size": 36, "attention_k_eq_v": False})
+    argv = ["import", "--hf-checkpoint", ffn, "--save", save, "--tp", "8", "--nproc", "8"]
+    assert_refused(capsys, argv, ("36 FFN size (intermediate_size)", "--tp 8"), save)
+
+    llama = variant(hf, tmp_path / "llama", top={"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    assert_refused(capsys, ["import", "--hf-checkpoint", llama, "--save", save], ("not a Gemma 4 checkpoint",), save)
+    gemma3 = variant(hf, tmp_path / "gemma3", text={"model_type": "gemma3_text"})
+    assert_refused(capsys, ["import", "--hf-checkpoint", gemma3, "--save", save], ("is not Gemma 4",), save)
+
+    file_out = tmp_path / "a-file"
+    file_out.write_text("x")
+    assert_refused(capsys, ["import", "--hf-checkpoint", hf, "--save", file_out], ("is a file",), file_out)
+    inside = hf / "megatron"
+    assert_refused(capsys, ["import", "--hf-checkpoint", hf, "--save", inside, "--force"], ("overlaps",), inside)
+    assert_refused(capsys, ["import", "--hf-checkpoint", hf, "--save", hf, "--force"], ("overlaps",), hf)
+    missing = tmp_path / "nowhere"
+    assert_refused(capsys, ["import", "--hf-checkpoint", missing, "--save", save], ("is not a directory",), save)
+
+
+@pytest.fixture(scope="module")
+def sharded(checkpoints, tmp_path_factory) -> Path:
+    """moe-vl re-written in 200 kB shards with an index."""
+    from vime_gemma4_bridge import hf_io
+
+    source = hf_io.HFCheckpoint(checkpoints["moe-vl"])
+    out = tmp_path_factory.mktemp("sharded") / "moe-vl-sharded"
+    hf_io.write_hf_checkpoint(out, source.load(source.language_model_names()), source, max_shard_size=200_000)
+    assert len(list(out.glob("*.safetensors"))) > 2
+    return out
+
+
+def test_damaged_hf_checkpoint_refusals(sharded, capsys, tmp_path: Path) -> None:
+    from vime_gemma4_bridge.hf_io import INDEX_NAME
+
+    save = tmp_path / "out"
+    shards = sorted(sharded.glob("*.safetensors"))
+
+    no_shard = tmp_path / "no-shard"
+    shutil.copytree(sharded, no_shard)
+    (no_shard / shards[1].name).unlink()
+    argv = ["import", "--hf-checkpoint", no_shard, "--save", save]
+    assert_refused(capsys, argv, ("safetensors shard", shards[1].name, "is missing"), save)
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(sharded, corrupt)
+    data = bytearray((corrupt / shards[0].name).read_bytes())
+    data[:16] = b"\xff" * 16  # the header length and the start of the JSON header
+    (corrupt / shards[0].name).write_bytes(bytes(data))
+    argv = ["import", "--hf-checkpoint", corrupt, "--save", save]
+    assert_refused(capsys, argv, ("safetensors shard", shards[0].name, "unreadable or corrupt"), save)
+
+    ghost = tmp_path / "ghost"
+    shutil.copytree(sharded, ghost)
+    index = json.loads((ghost / INDEX_NAME).read_text())
+    index["weight_map"]["model.language_model.layers.0.ghost.weight"] = shards[0].name
+    (ghost / INDEX_NAME).write_text(json.dumps(index))
+    argv = ["import", "--hf-checkpoint", ghost, "--save", save]
+    assert_refused(capsys, argv, ("model.language_model.layers.0.ghost.weight", "does not hold it"), save)
+
+
+def test_export_refusals(single_rank, checkpoints, capsys, tmp_path: Path) -> None:
+    hf, ckpt = single_rank["hf"], single_rank["save"]
+    out = tmp_path / "hf-out"
+    base = ["export", "--load", ckpt, "--hf-checkpoint", hf, "--output", out]
+
+    other = checkpoints["causal-irregular-32E"]
+    argv = ["export", "--load", ckpt, "--hf-checkpoint", other, "--output", out]
+    assert_refused(capsys, argv, ("holds a different model", "num_hidden_layers is 4 there and 6 here"), out)
+    fp32 = write_tiny_checkpoint(tmp_path / "fp32", dataclasses.replace(CHECKPOINTS["moe-vl"], dtype="float32"))
+    argv = ["export", "--load", ckpt, "--hf-checkpoint", fp32, "--output", out]
+    needles = ("holds a different model", "model.language_model.", "BF16[", "there and F32[", "imported from")
+    assert_refused(capsys, argv, needles, out)
+
+    wider = variant(hf, tmp_path / "wider", text={"vocab_size": 512})  # the config alone differs
+    argv = ["export", "--load", ckpt, "--hf-checkpoint", wider, "--output", out]
+    assert_refused(capsys, argv, ("holds a different model", "vocab_size is 300 there and 512 here"), out)
+
+    assert_refused(capsys, base + ["--ep", "3", "--nproc", "3"], ("16 experts", "--ep 3"), out)
+    assert_refused(capsys, base + ["--tp", "2", "--pp", "2", "--nproc", "2"], ("does not fit 2 rank(s)",), out)
+    assert_refused(capsys, base + ["--max-shard-size", "lots"], ("--max-shard-size 'lots' is not a size",), out)
+
+    not_ckpt = tmp_path / "not-a-checkpoint"
+    not_ckpt.mkdir()
+    argv = ["export", "--load", not_ckpt, "--hf-checkpoint", hf, "--output", out]
+    assert_refused(capsys, argv, ("is not a torch_dist checkpoint", TRACKER_NAME, "vime-gemma4 import"), out)
+    argv = ["export", "--load", tmp_path / "missing", "--hf-checkpoint", hf, "--output", out]
+    assert_refused(capsys, argv, ("is not a directory",), out)
+
+    half = tmp_path / "half"
+    shutil.copytree(ckpt, half)
+    (half / ITERATION_DIR / "metadata.json").unlink()
+    argv = ["export", "--load", half, "--hf-checkpoint", hf, "--output", out]
+    assert_refused(capsys, argv, ("no metadata.json", "incomplete or damaged"), out)
+
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep").write_text("keep")
+    argv = ["export", "--load", ckpt, "--hf-checkpoint", hf, "--output", existing]
+    assert_refused(capsys, argv, ("already exists", "--force"), existing)
+    file_out = tmp_path / "a-file"
+    file_out.write_text("x")
+    argv = ["export", "--load", ckpt, "--hf-checkpoint", hf, "--output", file_out]
+    assert_refused(capsys, argv, ("is a file",), file_out)
+    for target, flag in ((hf, "--hf-checkpoint"), (ckpt, "--load"), (ckpt / ITERATION_DIR / "hf", "--load")):
+        argv = ["export", "--load", ckpt, "--hf-checkpoint", hf, "--output", target, "--force"]
+        assert_refused(capsys, argv, ("overlaps", flag), target)
+
+
+def test_torch_dist_without_sidecar_is_checked_by_run_config(single_rank, checkpoints, capsys, tmp_path) -> None:
+    """A checkpoint without vime_gemma4.json (e.g. from training) is checked through run_config.yaml."""
+    bare = tmp_path / "bare"
+    shutil.copytree(single_rank["save"], bare)
+    (bare / ITERATION_DIR / SIDECAR_NAME).unlink()
+    out = tmp_path / "out"
+    argv = ["export", "--load", bare, "--hf-checkpoint", checkpoints["causal-irregular-32E"], "--output", out]
+    assert_refused(capsys, argv, ("holds a different model", "num_layers is 4 there", "num_hidden_layers is 6"), out)
+
+    # Nothing left to check before ranks start: the rank refuses, in one line, and writes nothing.
+    (bare / ITERATION_DIR / RUN_CONFIG_NAME).unlink()
+    fp32 = write_tiny_checkpoint(tmp_path / "fp32", dataclasses.replace(CHECKPOINTS["moe-vl"], dtype="float32"))
+    code, stdout, stderr, _ = run_cli(capsys, "export", "--load", bare, "--hf-checkpoint", fp32, "--output", out)
+    assert code == 1 and stdout == ""
+    errors = [line for line in stderr.splitlines() if line.startswith("vime-gemma4 ")]
+    assert len(errors) == 1 and errors[0].startswith("vime-gemma4 export: error: torch_dist tensor "), stderr
+    assert "is torch.bfloat16 but this model is torch.float32" in errors[0]
+    assert not out.exists() and not leftovers(out)
+
+
+def test_refusal_through_the_installed_program(checkpoints, tmp_path: Path) -> None:
+    """The acceptance refusal, as a user runs it: non-zero within seconds, names experts and EP, no directory."""
+    save = tmp_path / "never"
+    argv = [VENV_BIN / "vime-gemma4", "import", "--hf-checkpoint", checkpoints["moe-vl"], "--save", save]
+    start = time.monotonic()
+    proc = subprocess.run([str(a) for a in argv] + ["--ep", "3", "--nproc", "3"], capture_output=True, text=True)
+    seconds = time.monotonic() - start
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert "vime-gemma4 import: error: 16 experts do not divide by --ep 3; choose a divisor of 16" in proc.stderr
+    assert not save.exists() and not leftovers(save)
+    assert seconds < 90, f"{seconds:.0f} s: the program imports megatron once and starts no rank"
+
+
+# --------------------------------------------------------------------------------------------
+# Cross-topology on real ranks: 8, then 4, then 2 (one world each)
+# --------------------------------------------------------------------------------------------
+
+#: name: (checkpoint, topology saved at). All imported in the 8-rank world.
+IMPORTS_8 = {
+    "A": ("moe-vl", Topology(tp=2, pp=2, ep=4, etp=1)),
+    "B": ("causal-irregular-32E", Topology(ep=8)),
+    "C": ("causal-fp32-8E", Topology(tp=2, pp=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def imported_8(local_world, checkpoints, tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("torch_dist_8")
+    world = local_world(8)
+    results = {}
+    for name, (checkpoint, topology) in IMPORTS_8.items():
+        save = root / name
+        start = time.monotonic()
+        reports = world.run(
+            import_job, str(checkpoints[checkpoint]), str(save), str(root / f".{name}.partial"), topology
+        )
+        results[name] = {"save": save, "hf": checkpoints[checkpoint], "report": reports[0], "reports": reports}
+        results[name]["seconds"] = time.monotonic() - start
+    return results
+
+
+def test_imports_on_8_ranks_have_megatron_layout(imported_8) -> None:
+    for name, result in imported_8.items():
+        save, report = result["save"], result["report"]
+        assert all(r == report for r in result["reports"]), "ranks disagree on the report"
+        assert report["topology"] == str(IMPORTS_8[name][1]) and report["world_size"] == 8
+        assert (save / TRACKER_NAME).read_text() == "0\n"
+        files = {p.name for p in (save / ITERATION_DIR).iterdir()}
+        assert {"metadata.json", ".metadata", "__0_0.distcp", RUN_CONFIG_NAME, SIDECAR_NAME} <= files
+        # Only main replicas write: at TP2·PP2·EP4 every rank holds its own experts, so all 8 ranks write.
+        writers = {f for f in files if f.endswith(".distcp")}
+        assert writers == ({f"__{rank}_0.distcp" for rank in range(8)} if name == "A" else writers) != set()
+        meta = json.loads((save / ITERATION_DIR / "metadata.json").read_text())
+        assert meta["sharded_backend"] == "torch_dist"
+        sidecar = json.loads((save / ITERATION_DIR / SIDECAR_NAME).read_text())
+        assert (
+            sidecar["saved_at"]["topology"] == report["topology"]
+            and len(sidecar["language_model"]) == report["tensors"]
+        )
+        assert not leftovers(save)
+
+
+def test_torch_dist_common_state_is_what_megatron_load_reads(imported_8) -> None:
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(imported_8["A"]["save"] / ITERATION_DIR))
+    assert common["checkpoint_version"] == 3.0 and common["iteration"] == 0
+    metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
+    assert metadata == {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    tensors = dist_checkpointing.load_tensors_metadata(str(imported_8["A"]["save"] / ITERATION_DIR))
+    # One global tensor per expert axis (TE's layout), attention keyed per layer type (upstream's).
+    assert tuple(tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"].global_shape)[:2] == (4, 16)
+    assert "decoder.layers.self_attention_global.linear_qkv.weight" in tensors
+    assert "decoder.layers.self_attention_sliding.linear_qkv.weight" in tensors
+
+
+def test_back_tp2pp2_import_exports_at_ep8(local_world, imported_8, tmp_path: Path) -> None:
+    c = imported_8["C"]
+    out = tmp_path / "C-ep8"
+    report = local_world(8).run(export_job, str(c["save"]), str(c["hf"]), str(out), Topology(ep=8), False, 10**9)[0]
+    assert report["topology"] == "TP1·PP1·EP8·ETP1" and report["world_size"] == 8
+    assert_same_checkpoint(c["hf"], out, ep=8)
+
+
+def test_ep8_import_exports_at_tp2pp2_on_4_ranks(local_world, imported_8, tmp_path: Path) -> None:
+    b = imported_8["B"]
+    out = tmp_path / "B-tp2pp2"
+    report = local_world(4).run(export_job, str(b["save"]), str(b["hf"]), str(out), Topology(tp=2, pp=2), False, 10**9)
+    assert report[0]["topology"] == "TP2·PP2·EP1·ETP1" and report[0]["world_size"] == 4
+    assert_same_checkpoint(b["hf"], out, ep=8)
+
+
+def test_tp2pp2ep4_import_exports_at_tp1pp1ep2_on_2_ranks(local_world, imported_8, tmp_path: Path) -> None:
+    """The acceptance path: sharded output with an index, sources untouched, every tensor bitwise."""
+    from vime_gemma4_bridge import hf_io
+
+    a = imported_8["A"]
+    out = tmp_path / "A-ep2"
+    sources = {p: digest(p) for p in (a["hf"], a["save"])}
+    report = local_world(2).run(export_job, str(a["save"]), str(a["hf"]), str(out), Topology(ep=2), False, 200_000)[0]
+    assert report["topology"] == "TP1·PP1·EP2·ETP1" and report["world_size"] == 2
+    assert report["tensors"] == 88 and report["hf_output"]["shards"] > 2
+    assert_same_checkpoint(a["hf"], out, ep=4)
+    index = json.loads((out / hf_io.INDEX_NAME).read_text())
+    shards = {p.name for p in out.glob("*.safetensors")}
+    assert set(index["weight_map"].values()) == shards
+    assert len(index["weight_map"]) == len(hf_io.HFCheckpoint(a["hf"]).names())
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in hf_io.HFCheckpoint(out).load().values()
+    )
+    assert all(digest(p) == before for p, before in sources.items()), "a source was modified"
+    assert not leftovers(out)
+
+
+def _provider_rebuild_job(save: str, hf_checkpoint: str, topology: Topology) -> dict | None:
+    """Build the model from run_config.yaml alone (as Megatron-Bridge's loader does), load, export, compare."""
+    import torch.distributed as dist
+
+    from vime_gemma4_bridge import convert, hf_io, report, torch_dist
+    from vime_gemma4_bridge.distributed import init_model_parallel
+
+    init_model_parallel(topology)
+    iteration_dir = Path(save) / ITERATION_DIR
+    provider = torch_dist.provider_from_run_config(iteration_dir)
+    for field, value in topology.megatron_kwargs().items():
+        setattr(provider, field, value)
+    provider.use_cpu_initialization = True
+    provider.finalize()
+    model = provider.provide_distributed_model(
+        wrap_with_ddp=False,
+        use_cpu_initialization=True,
+        init_model_with_meta_device=False,
+        mixed_precision_wrapper=None,
+    )
+    torch_dist.load_torch_dist(model, iteration_dir)
+    bridge = convert.open_bridge(hf_checkpoint)  # names only: the HF side of the mapping
+    exported = convert.collect_on_rank0(bridge, model)
+    result = None
+    if dist.get_rank() == 0:
+        source = hf_io.HFCheckpoint(hf_checkpoint)
+        result = report.compare(source.load(source.language_model_names()), exported).as_dict()
+    return convert.broadcast_from_rank0(result)
+
+
+def test_model_rebuilt_from_run_config_loads_bitwise(local_world, imported_8) -> None:
+    a = imported_8["A"]
+    result = local_world(2).run(_provider_rebuild_job, str(a["save"]), str(a["hf"]), Topology(tp=2))[0]
+    assert result["identical"], result
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "saved_at", "loaded_at"),
+    [
+        ("moe-vl", Topology(pp=2, vpp=2), Topology(tp=2)),
+        ("causal-fp32-8E", Topology(ep=2), Topology(pp=2, vpp=2)),
+        ("dense-vl", Topology(tp=2), Topology()),
+    ],
+    ids=str,
+)
+def test_more_pairs_on_2_ranks(local_world, checkpoints, tmp_path, checkpoint, saved_at, loaded_at) -> None:
+    """VPP (model0/model1 chunks) both ways, fp32, and the dense model."""
+    world = local_world(2)
+    hf, save, out = checkpoints[checkpoint], tmp_path / "torch_dist", tmp_path / "hf"
+    world.run(import_job, str(hf), str(save), str(tmp_path / ".partial"), saved_at)
+    world.run(export_job, str(save), str(hf), str(out), loaded_at, False, 10**9)
+    assert_same_checkpoint(hf, out)
+
+
+def _import_failing_after_save(hf_checkpoint: str, save: str, partial: str, topology: Topology) -> dict:
+    """import_job with a failure after the torch_dist files are written, before the checkpoint is complete."""
+    from vime_gemma4_bridge import torch_dist
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full (injected)")
+
+    original = torch_dist._write_run_config
+    torch_dist._write_run_config = fail
+    try:
+        return torch_dist.import_job(hf_checkpoint, save, partial, topology)
+    finally:
+        torch_dist._write_run_config = original
+
+
+def test_failed_import_leaves_nothing(local_world, checkpoints, tmp_path: Path) -> None:
+    save, partial = tmp_path / "ckpt", tmp_path / ".ckpt.partial-test"
+    with pytest.raises(RankError, match="disk full"):
+        local_world(2).run(
+            _import_failing_after_save, str(checkpoints["moe-vl"]), str(save), str(partial), Topology(ep=2)
+        )
+    assert not save.exists() and not partial.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# The scripts, as programs: under torchrun and with plain python
+# --------------------------------------------------------------------------------------------
+
+
+def test_scripts_under_torchrun_and_python(checkpoints, tmp_path: Path) -> None:
+    hf = checkpoints["moe-vl"]
+    save, out = tmp_path / "torch_dist", tmp_path / "hf"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", "1"]
+    script = str(ROOT / "scripts" / "convert_hf_to_torch_dist.py")
+    proc = subprocess.run(
+        [*torchrun, script, "--hf-checkpoint", str(hf), "--save", str(save), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["command"] == "import"
+    script = str(ROOT / "scripts" / "convert_torch_dist_to_hf.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--load", str(save), "--hf-checkpoint", str(hf), "--output", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("export OK: 88 language-model tensors")
+    assert_same_checkpoint(hf, out)
