@@ -113,14 +113,25 @@ class HFCheckpoint:
         return {name: tensors[name] for name in wanted}
 
 
-def parse_size(text: str) -> int:
-    """``"5GB"``, ``"500MB"``, ``"1024"`` → bytes (decimal units, as transformers' ``max_shard_size``)."""
+def parse_size(text: str, flag: str = "size") -> int:
+    """``"5GB"``, ``"500MB"``, ``"1GiB"``, ``"1024"`` → bytes (decimal units, as transformers' ``max_shard_size``).
+
+    Raises ``ValueError`` naming ``flag`` for anything that is not a positive size.
+    """
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
     value = text.strip().upper()
-    for unit, factor in sorted(units.items(), key=lambda item: -len(item[0])):
-        if value.endswith(unit):
-            return int(float(value[: -len(unit)]) * factor)
-    return int(value.rstrip("B"))
+    try:
+        for unit, factor in sorted(units.items(), key=lambda item: -len(item[0])):
+            if value.endswith(unit):
+                size = int(float(value[: -len(unit)]) * factor)
+                break
+        else:
+            size = int(value.rstrip("B"))
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} is not a size; use e.g. 5GB, 500MB or 1000000") from None
+    if size < 1:
+        raise ValueError(f"{flag} must be at least 1 byte, got {text!r}")
+    return size
 
 
 def prepare_output(path: str | os.PathLike, *, force: bool) -> Path:

@@ -194,9 +194,7 @@ def run_export_live(args: argparse.Namespace) -> int:
         source = hf_io.HFCheckpoint(args.hf_checkpoint)
         convert.validate_model_topology(source.config, topology)
         hf_io.prepare_output(args.dump, force=args.force)
-        buffer_size = hf_io.parse_size(args.buffer_size)
-        if buffer_size < 1:
-            raise ValueError(f"--buffer-size must be at least 1 byte, got {args.buffer_size}")
+        buffer_size = hf_io.parse_size(args.buffer_size, "--buffer-size")
     except ValueError as error:
         print(f"vime-gemma4 export-live: error: {error}", file=sys.stderr)
         return 2

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         convert.validate_model_topology(source.config, topology)
         if args.output:
             hf_io.prepare_output(args.output, force=args.force)
-        max_shard_size = hf_io.parse_size(args.max_shard_size)
+        max_shard_size = hf_io.parse_size(args.max_shard_size, "--max-shard-size")
     except ValueError as error:
         print(f"vime-gemma4 roundtrip: error: {error}", file=sys.stderr)
         return 2

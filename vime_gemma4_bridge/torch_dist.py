@@ -59,7 +59,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vime_gemma4_bridge.distributed import Topology, add_launch_arguments, launch
+from vime_gemma4_bridge.distributed import (
+    Topology,
+    add_launch_arguments,
+    is_reporting_process,
+    launch,
+    requested_world_size,
+)
 
 __all__ = [
     "ITERATION_DIR",
@@ -148,18 +154,6 @@ def refuse_overlap(output: Path, flag: str, sources: Mapping[str, Path]) -> None
             raise ConversionError(
                 f"{flag} {output} overlaps {source_flag} {source}; sources are never modified: choose another path"
             )
-
-
-def _parse_max_shard_size(text: str) -> int:
-    from vime_gemma4_bridge import hf_io
-
-    try:
-        size = hf_io.parse_size(text)
-    except ValueError:
-        raise ConversionError(f"--max-shard-size {text!r} is not a size; use e.g. 5GB, 500MB or 1000000") from None
-    if size < 1:
-        raise ConversionError(f"--max-shard-size must be positive, got {text!r}")
-    return size
 
 
 class TorchDistCheckpoint:
@@ -760,14 +754,6 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     )
 
 
-def _world_size(args: argparse.Namespace) -> int:
-    return args.nproc if args.nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _is_printing_rank() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
 def _refuse(args: argparse.Namespace, error: Exception) -> int:
     print(f"{args.prog}: error: {error}", file=sys.stderr)
     return 2
@@ -797,7 +783,7 @@ def _failure(args: argparse.Namespace, error: BaseException) -> int:
 
 
 def _report(args: argparse.Namespace, result: Mapping[str, Any]) -> None:
-    if not _is_printing_rank():
+    if not is_reporting_process():
         return
     if args.json:
         print(json.dumps(result, indent=2))
@@ -826,7 +812,7 @@ def run_import(args: argparse.Namespace) -> int:
 
     try:
         topology = Topology.from_args(args)
-        topology.validate(_world_size(args))
+        topology.validate(requested_world_size(args.nproc))
         source = hf_io.HFCheckpoint(args.hf_checkpoint)
         convert.validate_model_topology(source.config, topology)
         out = hf_io.prepare_output(args.save, force=args.force)
@@ -853,14 +839,14 @@ def run_export(args: argparse.Namespace) -> int:
 
     try:
         topology = Topology.from_args(args)
-        topology.validate(_world_size(args))
+        topology.validate(requested_world_size(args.nproc))
         source = hf_io.HFCheckpoint(args.hf_checkpoint)
         convert.validate_model_topology(source.config, topology)
         checkpoint = TorchDistCheckpoint(args.load)
         checkpoint.check_matches(source)
         out = hf_io.prepare_output(args.output, force=args.force)
         refuse_overlap(out, "--output", {"--hf-checkpoint": source.path, "--load": checkpoint.path})
-        max_shard_size = _parse_max_shard_size(args.max_shard_size)
+        max_shard_size = hf_io.parse_size(args.max_shard_size, "--max-shard-size")
     except ValueError as error:
         return _refuse(args, error)
     try:
