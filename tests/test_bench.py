@@ -1,0 +1,71 @@
+"""``vime-gemma4 bench``: the machinery runs end to end on a tiny synthetic checkpoint (no timing assertions).
+
+What is checked is what a reader of the bench relies on: the synthetic checkpoint is a real Gemma 4
+checkpoint with 26B-A4B's proportions, every step is measured (positive wall time, CPU time and RSS),
+and the last line has the exact machine-readable format. Speed targets are the bench's to report,
+never the tests' to assert (figures on a shared 2-core runner say nothing).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from vime_gemma4_bridge import bench, cli, hf_io
+
+LAST_LINE = re.compile(
+    r"^export_vs_reference=(?P<export>[0-9.]+) import_vs_reference=(?P<import>[0-9.]+) "
+    r"live_peak_extra_mb=(?P<live>[0-9.]+) layer_experts_mb=(?P<experts>[0-9.]+)$"
+)
+
+
+def test_spec_for_size_has_26b_proportions() -> None:
+    spec = bench.spec_for_size(150_000_000)
+    assert spec.moe and spec.experts == 128 and spec.top_k == 8 and not spec.causal_lm
+    assert spec.moe_intermediate_size * 4 == spec.hidden_size
+    total = bench._spec_bytes(spec)
+    assert 0.8 < total / 150e6 < 1.2
+    experts = spec.layers * spec.experts * 3 * spec.moe_intermediate_size * spec.hidden_size * 2
+    assert experts / total > 0.85, "experts must dominate the bytes, as in 26B-A4B"
+    doubled = bench.spec_for_size(300_000_000, layers=2 * spec.layers, hidden=spec.hidden_size)
+    assert 1.95 < bench._spec_bytes(doubled) / total < 2.05
+
+
+def test_synthetic_checkpoint_is_a_gemma4_checkpoint(tmp_path: Path) -> None:
+    spec = bench.spec_for_size(3_000_000)
+    path, nbytes = bench.write_synthetic_checkpoint(tmp_path / "hf", spec, shards=3)
+    source = hf_io.HFCheckpoint(path)
+    assert len(set(source.weight_map.values())) > 1, "sharded with an index, like a published checkpoint"
+    tensors = source.load()
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) == nbytes
+    assert "lm_head.weight" not in tensors  # tied, as save_pretrained writes it
+    gate_up = tensors["model.language_model.layers.0.experts.gate_up_proj"]
+    assert tuple(gate_up.shape) == (128, 2 * spec.moe_intermediate_size, spec.hidden_size)
+    assert bench.layer_experts_bytes(path) == 128 * 3 * spec.moe_intermediate_size * spec.hidden_size * 2
+
+
+def test_bench_runs_and_prints_the_headline_last(local_world, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    result = bench.run_bench(
+        [0.003], [1], buffer_size=1_000_000, workdir=tmp_path / "work", world_for=local_world, log=lambda _: None
+    )
+    assert [s.step for s in result.steps] == ["reference", "import", "export", "live"]
+    for step in result.steps:
+        assert step.seconds > 0 and step.cpu > 0 and step.peak_rss > 0 and step.gb_per_s > 0, step
+    lines = bench.format_report(result)
+    match = LAST_LINE.match(lines[-1])
+    assert match, lines[-1]
+    figures = {name: float(value) for name, value in match.groupdict().items()}
+    assert all(value > 0 and math.isfinite(value) for value in figures.values()), figures
+    assert figures["experts"] == pytest.approx(result.layer_experts / 1e6, abs=0.05)
+    assert any(line.startswith("| 0.00") and "| export |" in line for line in lines)
+    assert not list((tmp_path / "work").iterdir()), "checkpoints are removed unless --keep"
+
+
+def test_command_line(capsys: pytest.CaptureFixture) -> None:
+    args = cli.build_parser().parse_args(["bench", "--quick"])
+    assert args.func is bench.main and args.quick and args.size_gb is None
+    assert cli.main(["bench", "--nproc", "3"]) == 2  # EP = nproc must divide the 128 experts
+    assert "must divide the 128 experts" in capsys.readouterr().err
