@@ -548,6 +548,28 @@ def test_more_pairs_on_2_ranks(local_world, checkpoints, tmp_path, checkpoint, s
     assert_same_checkpoint(hf, out)
 
 
+@pytest.mark.parametrize(
+    ("checkpoint", "saved_at", "streamed", "loader"),
+    [
+        ("causal-irregular-32E", Topology(ep=2), True, "direct"),  # whole chunks everywhere: no load plan
+        ("causal-fp32-8E", Topology(pp=2), True, "direct"),
+        ("moe-vl", Topology(tp=2), True, "dist_checkpointing"),  # experts whole, attention split over TP
+        ("moe-vl", Topology(tp=2, etp=2), False, "dist_checkpointing"),  # experts split: the general path
+    ],
+    ids=str,
+)
+def test_default_topology_export_streams_experts_when_stored_whole(
+    local_world, checkpoints, tmp_path, checkpoint, saved_at, streamed, loader
+) -> None:
+    """``export`` without topology flags on 2 ranks: experts streamed iff the checkpoint stores them whole."""
+    world = local_world(2)
+    hf, save, out = checkpoints[checkpoint], tmp_path / "torch_dist", tmp_path / "hf"
+    world.run(import_job, str(hf), str(save), str(tmp_path / ".partial"), saved_at)
+    report = world.run(export_job, str(save), str(hf), str(out), Topology(), False, 10**9)[0]
+    assert (report["experts_streamed"], report["loader"]) == (streamed, loader)
+    assert_same_checkpoint(hf, out)
+
+
 def _import_failing_after_save(hf_checkpoint: str, save: str, partial: str, topology: Topology) -> dict:
     """import_job with a failure after the torch_dist files are written, before the checkpoint is complete."""
     from vime_gemma4_bridge import torch_dist

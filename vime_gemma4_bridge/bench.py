@@ -7,8 +7,10 @@ bytes: a plain safetensors read of every tensor plus a write of them to a new fi
 
 (a) the reference, in one rank process: ``safetensors.safe_open`` / ``get_tensor`` for every tensor,
     then ``safetensors.torch.save_file`` into the same shard layout (best of 3 runs);
-(b) ``import`` HF → torch_dist (:func:`vime_gemma4_bridge.torch_dist.import_job`, unchanged);
-(c) ``export`` torch_dist → HF (:func:`vime_gemma4_bridge.torch_dist.export_job`, unchanged);
+(b) ``import`` HF → torch_dist (:func:`vime_gemma4_bridge.torch_dist.import_job`, unchanged) at EP = nproc;
+(c) ``export`` torch_dist → HF (:func:`vime_gemma4_bridge.torch_dist.export_job`, unchanged) at the default
+    topology, as ``vime-gemma4 export`` runs without topology flags: the routed experts stream from the
+    torch_dist files to the HF shards (:mod:`vime_gemma4_bridge.stream_export`), rank 0 writes;
 (d) the live export of RL training (:func:`vime_gemma4_bridge.live.iter_hf_weights` grouped by
     :func:`vime_gemma4_bridge.live.chunk_by_bytes`, as ``export-live`` does but without writing the
     chunks: each chunk is dropped once complete, like a consumer that pushed it), on the loaded model;
@@ -81,13 +83,16 @@ __all__ = [
 #: Targets of the performance issue; reported, never asserted.
 TARGET_CONVERSION_VS_REFERENCE = 1.5
 TARGET_DOUBLING_RATIO = 2.2
-#: ``--quick``: one small size at one rank, so the whole run takes about two minutes on 2 cores.
-QUICK_SIZE_GB = 0.15
+#: ``--quick``: one size at one rank, under two minutes on 2 cores. Big enough that the fixed costs
+#: of a conversion (parallel state, building the model, planning: ~0.5 s) do not swamp a reference
+#: that is one pass over page-cached bytes (0.4-1 s/GB here); 26B-A4B is 52 GB.
+QUICK_SIZE_GB = 3.0
 QUICK_NPROC = (1,)
-DEFAULT_SIZE_GB = 1.0
+DEFAULT_SIZE_GB = 3.0
 DEFAULT_NPROC = (1, 2, 4)
-#: Base layer count: sizes are reached by choosing the hidden size; ``--scaling`` doubles the layers.
-BASE_LAYERS = 12
+#: 26B-A4B's hidden size: the synthetic model uses it when the size allows :data:`MIN_LAYERS` layers.
+FULL_HIDDEN = 2816
+MIN_LAYERS = 2
 _STEPS = ("reference", "import", "export", "live")
 
 
@@ -102,14 +107,18 @@ def spec_for_size(size_bytes: int, *, layers: int | None = None, hidden: int | N
     Per layer 26B-A4B holds ~94% of its bytes in the 128 stacked experts (width hidden/4), a dense
     MLP of width 3·hidden/4 and small attention; the embedding is ~3% of the model. With ``hidden``
     fixed, bytes grow linearly in the layer count (the vocabulary grows with it, keeping the
-    embedding's share), so the layer count is solved for; ``hidden`` defaults to the multiple of 64
-    that gives about :data:`BASE_LAYERS` layers. ``layers`` overrides the solve (used to double a size).
+    embedding's share), so the layer count is solved for. ``hidden`` defaults to 26B-A4B's own
+    (2816) or, for smaller sizes, the largest multiple of 64 that still gives :data:`MIN_LAYERS`
+    layers: per-tensor sizes then stay realistic (a 26B expert weight is 4 MB; per-tensor costs of
+    a converter would otherwise dominate a small benchmark and say nothing about the real model).
+    ``layers`` overrides the solve (used to double a size).
     """
     if size_bytes <= 0:
         raise ValueError(f"size must be positive, got {size_bytes} bytes")
     if hidden is None:
         # ~200·hidden² bytes per layer (experts 192·h², dense MLP 4.5·h², attention the rest).
-        hidden = max(128, 64 * round(math.sqrt(size_bytes / (BASE_LAYERS * 200)) / 64))
+        fitting = 64 * math.floor(math.sqrt(size_bytes / (MIN_LAYERS * 200)) / 64)
+        hidden = max(128, min(FULL_HIDDEN, fitting))
     if layers is None:
         # Six layers are one period of the sliding/full pattern, so bytes(6·k) is exactly linear in k.
         six, twelve = _spec_bytes(_shaped_spec(hidden, 6)), _spec_bytes(_shaped_spec(hidden, 12))
@@ -647,9 +656,10 @@ def run_bench(
                 results = world.run(measured_job, import_job, (str(source), str(save), str(partial), topology), quiet)
                 result.steps.append(_conversion_step("import", nbytes, nproc, topology, results))
                 log(f"bench: {tag} import {result.steps[-1].seconds:.2f} s")
-                job_args = (str(save), str(source), str(output), topology, True, _max_shard_bytes(source))
+                # The export a user runs: default topology (experts streamed, see stream_export.py).
+                job_args = (str(save), str(source), str(output), Topology(), True, _max_shard_bytes(source))
                 results = world.run(measured_job, export_job, job_args, quiet)
-                result.steps.append(_conversion_step("export", nbytes, nproc, topology, results))
+                result.steps.append(_conversion_step("export", nbytes, nproc, Topology(), results))
                 log(f"bench: {tag} export {result.steps[-1].seconds:.2f} s")
                 _check_output(source, output)
                 _cleanup(save, keep)
@@ -807,7 +817,8 @@ DESCRIPTION = """\
 Measure conversion speed and memory against the physical limit on a synthetic Gemma 4 MoE
 checkpoint with 26B-A4B's proportions (experts ~90% of the bytes). For every --nproc, one set of
 local ranks runs: (a) the reference, a plain safetensors read of every tensor and a write of them to
-new files, in one process; (b) import HF -> torch_dist; (c) export torch_dist -> HF; (d) the live
+new files, in one process; (b) import HF -> torch_dist at EP = nproc; (c) export torch_dist -> HF
+at the default topology (routed experts streamed from torch_dist to the HF shards); (d) the live
 export (iter_hf_weights + chunk_by_bytes, chunks not written) on the loaded model. Each is timed
 inside the ranks (start-up and imports excluded) with its peak RSS. Prints a table and, last:
 export_vs_reference=X import_vs_reference=Y live_peak_extra_mb=Z layer_experts_mb=W (nproc 1, the
@@ -847,7 +858,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         nargs="+",
         default=None,
         metavar="N",
-        help="world sizes to measure, EP = N each (default 1 2 4; ~1 GB RAM per rank)",
+        help="world sizes to measure, import at EP = N (default 1 2 4; ~1 GB RAM per rank plus the model)",
     )
     parser.add_argument(
         "--buffer-size",

@@ -69,10 +69,16 @@ def open_bridge(hf_checkpoint: str | os.PathLike) -> Any:
     return AutoBridge.from_hf_pretrained(str(hf_checkpoint))
 
 
-def build_model(bridge: Any, topology: Topology) -> list[torch.nn.Module]:
-    """The Megatron model chunks of this rank for ``topology`` (parallel state already initialised)."""
+def build_model(bridge: Any, topology: Topology, *, initialize: bool = True) -> list[torch.nn.Module]:
+    """The Megatron model chunks of this rank for ``topology`` (parallel state already initialised).
+
+    ``initialize=False`` leaves the weights as allocated (megatron-core's ``perform_initialization``):
+    for a caller that overwrites every weight next, random initialisation is pure cost (~3 s/GB on
+    one core) and touches memory that streamed weights never need.
+    """
     on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
     provider = bridge.to_megatron_provider(load_weights=False)
+    provider.perform_initialization = initialize
     provider.tensor_model_parallel_size = topology.tp
     provider.pipeline_model_parallel_size = topology.pp
     provider.virtual_pipeline_model_parallel_size = topology.vpp
@@ -93,10 +99,16 @@ def is_rank0() -> bool:
     return dist.get_rank() == 0
 
 
-def export_language_model(bridge: Any, model: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Megatron-Bridge's export (all ranks take part), as ``(hf_name, tensor)`` on CPU; no name twice."""
+def export_language_model(
+    bridge: Any, model: list[torch.nn.Module], conversion_tasks: list | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Megatron-Bridge's export (all ranks take part), as ``(hf_name, tensor)`` on CPU; no name twice.
+
+    ``conversion_tasks`` restricts it to those of Megatron-Bridge's tasks (default: all of them).
+    """
     seen: set[str] = set()
-    for item in bridge.export_hf_weights(model, cpu=True, show_progress=is_rank0()):
+    tasks = {"conversion_tasks": conversion_tasks} if conversion_tasks is not None else {}
+    for item in bridge.export_hf_weights(model, cpu=True, show_progress=is_rank0(), **tasks):
         name, tensor = item[0], item[1]
         if name in seen:
             raise ValueError(f"export produced {name!r} twice; a mapping is duplicated")
@@ -104,10 +116,13 @@ def export_language_model(bridge: Any, model: list[torch.nn.Module]) -> Iterator
         yield name, tensor
 
 
-def collect_on_rank0(bridge: Any, model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+def collect_on_rank0(
+    bridge: Any, model: list[torch.nn.Module], conversion_tasks: list | None = None
+) -> dict[str, torch.Tensor]:
     """Run the export on every rank and keep the tensors on rank 0 only (others get ``{}``)."""
     keep = is_rank0()
-    return {name: tensor.clone() for name, tensor in export_language_model(bridge, model) if keep}
+    exported = export_language_model(bridge, model, conversion_tasks)
+    return {name: tensor.clone() for name, tensor in exported if keep}
 
 
 def broadcast_from_rank0(obj: Any) -> Any:

@@ -10,14 +10,15 @@ unchanged from the source when a complete HF checkpoint is written.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 #: Where the language model's tensors live in each supported HF class.
 LANGUAGE_MODEL_PREFIX = {
@@ -144,9 +145,32 @@ def prepare_output(path: str | os.PathLike, *, force: bool) -> Path:
     return out
 
 
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor known by shape and dtype whose bytes are produced only while it is written.
+
+    ``pieces()`` yields contiguous tensors whose bytes, concatenated, are the tensor's bytes in
+    row-major order. The streaming export hands the routed experts over this way: their bytes go
+    from the torch_dist files to the HF shard one expert at a time, never whole in memory.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: Callable[[], Iterator[torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def tensor_nbytes(tensor: torch.Tensor | LazyTensor) -> int:
+    """Bytes of an eager or lazy tensor."""
+    return tensor.nbytes if isinstance(tensor, LazyTensor) else tensor.numel() * tensor.element_size()
+
+
 def write_hf_checkpoint(
     out: str | os.PathLike,
-    language_tensors: Mapping[str, torch.Tensor],
+    language_tensors: Mapping[str, torch.Tensor | LazyTensor],
     source: HFCheckpoint,
     *,
     max_shard_size: int = 5 * 10**9,
@@ -186,11 +210,11 @@ def write_hf_checkpoint(
     return out
 
 
-def _write_shards(directory: Path, tensors: list[tuple[str, torch.Tensor]], max_shard_size: int) -> None:
-    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+def _write_shards(directory: Path, tensors: list[tuple[str, torch.Tensor | LazyTensor]], max_shard_size: int) -> None:
+    shards: list[list[tuple[str, torch.Tensor | LazyTensor]]] = [[]]
     size = 0
     for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor_nbytes(tensor)
         if shards[-1] and size + nbytes > max_shard_size:
             shards.append([])
             size = 0
@@ -198,13 +222,72 @@ def _write_shards(directory: Path, tensors: list[tuple[str, torch.Tensor]], max_
         size += nbytes
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        save_file({n: t.contiguous() for n, t in shards[0]}, directory / SINGLE_NAME, metadata=metadata)
+        save_safetensors(directory / SINGLE_NAME, shards[0], metadata=metadata)
         return
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: t.contiguous() for n, t in shard}, directory / file, metadata=metadata)
+        save_safetensors(directory / file, shard, metadata=metadata)
         weight_map.update({name: file for name, _ in shard})
-    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    total = sum(tensor_nbytes(t) for _, t in tensors)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def save_safetensors(
+    path: Path, tensors: list[tuple[str, torch.Tensor | LazyTensor]], *, metadata: Mapping[str, str]
+) -> None:
+    """Write one safetensors file, streaming each tensor's bytes in order.
+
+    The format is an 8-byte little-endian header length, a JSON header (names, dtypes, shapes,
+    byte ranges; padded with spaces to 8 bytes) and the tensors' bytes back to back. safetensors'
+    own ``save_file`` needs every tensor of the file in memory at once; this writer needs one
+    piece of a :class:`LazyTensor` at a time, and writes eager tensors without a staging copy.
+    The files read back with ``safetensors`` / transformers / vLLM like any other.
+    """
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, tensor in tensors:
+        nbytes = tensor_nbytes(tensor)
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as handle:
+        handle.write(len(encoded).to_bytes(8, "little"))
+        handle.write(encoded)
+        for name, tensor in tensors:
+            pieces = tensor.pieces() if isinstance(tensor, LazyTensor) else iter((tensor,))
+            written = 0
+            for piece in pieces:
+                written += _write_bytes(handle, piece)
+            if written != tensor_nbytes(tensor):
+                raise CheckpointError(f"{name}: produced {written} bytes, expected {tensor_nbytes(tensor)}")
+
+
+def _write_bytes(handle, tensor: torch.Tensor) -> int:
+    """Write a CPU tensor's bytes (row-major, native little-endian) without an intermediate copy when contiguous."""
+    flat = tensor.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    raw = flat.view(torch.uint8).numpy() if flat.dtype != torch.bool else flat.numpy()
+    handle.write(raw.data)
+    return raw.nbytes

@@ -277,7 +277,8 @@ class _GroupedLinear(nn.Module):
             shape = (output_size, input_size // tp_size)
         for k in range(num_gemms):
             weight = nn.Parameter(torch.empty(shape, dtype=config.params_dtype))
-            init_method(weight)
+            if config.perform_initialization:  # as megatron-core's linears: skipped when weights are read next
+                init_method(weight)
             set_tensor_model_parallel_attributes(weight, True, self.partition_dim, 1)
             weight.allreduce = not is_expert
             self.register_parameter(f"weight{k}", weight)

@@ -4,7 +4,8 @@
 (Megatron-Bridge's ``load_hf_weights``) and saves it as a torch_dist checkpoint. ``export`` builds the
 model at any valid topology — not necessarily the one it was saved at — loads the torch_dist
 checkpoint into it and writes a complete HF checkpoint through Megatron-Bridge's ``export_hf_weights``
-(config, tokenizer and non-language tensors copied from ``--hf-checkpoint``). torch_dist stores every
+(config, tokenizer and non-language tensors copied from ``--hf-checkpoint``); at the default
+topology the routed experts bypass the model (:mod:`vime_gemma4_bridge.stream_export`). torch_dist stores every
 tensor as a *global* tensor (each rank's shard knows its global shape and offset), so megatron-core's
 ``dist_checkpointing`` reshards on load and no resharding code lives here.
 
@@ -101,6 +102,11 @@ CHECKPOINT_VERSION = 3.0
 #: torch_dist keys that are not model weights (training checkpoints carry them; export ignores them).
 _NON_MODEL_KEY = re.compile(r"^(optimizer|rng_state|rerun_state_machine|common_state)|\.?optimizer\.")
 _EXTRA_STATE = re.compile(r"_extra_state\d*$")
+
+
+def is_model_tensor_key(key: str) -> bool:
+    """A torch_dist key of a model weight (not optimizer/RNG/common state, not TE's ``_extra_state``)."""
+    return not _NON_MODEL_KEY.search(key) and not _EXTRA_STATE.search(key)
 
 
 class ConversionError(ValueError):
@@ -342,7 +348,7 @@ def _cpu_checkpointing() -> Iterator[None]:
         torch.cuda.synchronize = original  # type: ignore[assignment]
 
 
-def _sharded_state_dict(model: list) -> tuple[dict[str, Any], dict[str, Any]]:
+def sharded_state_dict(model: list) -> tuple[dict[str, Any], dict[str, Any]]:
     """``{"model": ...}`` (or ``model0``, ``model1``... with VPP) as Megatron saves it, and its metadata."""
     from megatron.core import parallel_state
 
@@ -364,7 +370,7 @@ def save_torch_dist(model: list, iteration_dir: str | os.PathLike) -> None:
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
-    state, metadata = _sharded_state_dict(model)
+    state, metadata = sharded_state_dict(model)
     state["checkpoint_version"] = CHECKPOINT_VERSION
     state["iteration"] = ITERATION
     # The synchronous path goes through megatron-core's deprecated "mcore" async writer and warns on every rank.
@@ -384,13 +390,19 @@ def save_torch_dist(model: list, iteration_dir: str | os.PathLike) -> None:
         quiet.setLevel(level)
 
 
-def load_torch_dist(model: list, iteration_dir: str | os.PathLike) -> None:
+def load_torch_dist(
+    model: list, iteration_dir: str | os.PathLike, *, streamed: Mapping[str, Sequence[str]] | None = None
+) -> None:
     """Load a torch_dist checkpoint into the model chunks of every rank (collective), at any topology.
 
     Every tensor this model needs must be in the checkpoint with the same global shape and dtype, and
     every model tensor of the checkpoint must be used; otherwise :class:`ConversionError` names the
     first difference. ``_extra_state`` entries (FP8 metadata of TE modules) are not loaded, as in
     Megatron-Bridge's ``_load_model_weights_from_checkpoint``.
+
+    ``streamed`` maps modules (state-dict prefixes of a one-chunk model) whose weights the caller
+    reads itself to the torch_dist keys they use (:mod:`vime_gemma4_bridge.stream_export`): their
+    entries are left out of the load and those keys count as used.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -399,7 +411,12 @@ def load_torch_dist(model: list, iteration_dir: str | os.PathLike) -> None:
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     where = str(iteration_dir)
-    state, _ = _sharded_state_dict(model)
+    state, _ = sharded_state_dict(model)
+    streamed = streamed or {}
+    if streamed:
+        state["model"] = {
+            name: value for name, value in state["model"].items() if name.rpartition(".")[0] not in streamed
+        }
     saved = dist_checkpointing.load_tensors_metadata(where)
     for sharded in nested_values(state):
         if not isinstance(sharded, ShardedTensor) or sharded.key not in saved:
@@ -428,7 +445,12 @@ def load_torch_dist(model: list, iteration_dir: str | os.PathLike) -> None:
             f"torch_dist checkpoint lacks {len(absent)} tensor(s) this model needs (e.g. {absent[0]}): "
             "it holds a different model than --hf-checkpoint"
         )
-    unused = sorted(key for key in unused if not _NON_MODEL_KEY.search(key) and not _EXTRA_STATE.search(key))
+    used_elsewhere = {key for keys in streamed.values() for key in keys}
+    unused = sorted(
+        key
+        for key in unused
+        if not _NON_MODEL_KEY.search(key) and not _EXTRA_STATE.search(key) and key not in used_elsewhere
+    )
     if unused:
         raise ConversionError(
             f"torch_dist checkpoint holds {len(unused)} tensor(s) this model lacks (e.g. {unused[0]}): "
@@ -438,7 +460,11 @@ def load_torch_dist(model: list, iteration_dir: str | os.PathLike) -> None:
         key = "model" if len(model) == 1 else f"model{i}"
         weights = {name: value for name, value in loaded[key].items() if not _EXTRA_STATE.search(name)}
         result = chunk.load_state_dict(weights, strict=False)
-        wrong = [name for name in result.missing_keys + result.unexpected_keys if not _EXTRA_STATE.search(name)]
+        wrong = [
+            name
+            for name in result.missing_keys + result.unexpected_keys
+            if not _EXTRA_STATE.search(name) and name.rpartition(".")[0] not in streamed
+        ]
         if wrong:
             raise ConversionError(f"torch_dist weights do not fit the model: {wrong[:3]} ({len(wrong)} in all)")
 
@@ -531,7 +557,10 @@ def import_job(hf_checkpoint: str, save: str, partial: str, topology: Topology) 
         with contextlib.redirect_stdout(sys.stderr):
             with phases("build", f"building the Megatron model at {topology}"):
                 bridge = convert.open_bridge(hf_checkpoint)
-                model = convert.build_model(bridge, topology)
+                # Every weight is loaded next, so random init (~3 s/GB) would be wasted; the saved run
+                # config still says to initialise, as a model built from it for training must.
+                model = convert.build_model(bridge, topology, initialize=False)
+                get_model_config(model[0]).perform_initialization = True
             with phases("load_hf", f"loading {hf_checkpoint}"):
                 bridge.load_hf_weights(model)
             if rank0:
@@ -585,33 +614,53 @@ def import_job(hf_checkpoint: str, save: str, partial: str, topology: Topology) 
 def export_job(
     load: str, hf_checkpoint: str, output: str, topology: Topology, force: bool, max_shard_size: int
 ) -> dict[str, Any]:
-    """torch_dist at ``load`` → Megatron at ``topology`` → complete HF checkpoint at ``output``. Every rank."""
+    """torch_dist at ``load`` → Megatron at ``topology`` → complete HF checkpoint at ``output``. Every rank.
+
+    At the default topology (TP1·PP1·EP1·ETP1) the routed experts stream from the torch_dist files
+    to the HF shards when the checkpoint stores them whole (:mod:`vime_gemma4_bridge.stream_export`);
+    everything else, and every other topology, goes through the Megatron model.
+    """
     import torch.distributed as dist
 
-    from vime_gemma4_bridge import convert, hf_io
+    from vime_gemma4_bridge import convert, hf_io, stream_export
     from vime_gemma4_bridge.distributed import init_model_parallel
 
     start = time.perf_counter()
     phases = _Phases("export")
-    init_model_parallel(topology)
+    init_model_parallel(topology, keep_if_same=True)
     iteration_dir = TorchDistCheckpoint(load).iteration_dir
-    with contextlib.redirect_stdout(sys.stderr):
+    rank0 = convert.is_rank0()
+    with contextlib.redirect_stdout(sys.stderr), contextlib.ExitStack() as stack:
         with phases("build", f"building the Megatron model at {topology}"):
             bridge = convert.open_bridge(hf_checkpoint)
-            model = convert.build_model(bridge, topology)
-        with phases("load", f"loading torch_dist {iteration_dir}"):
-            load_torch_dist(model, iteration_dir)
+            # Every weight is read next (or streamed past the model): random init would be wasted.
+            model = convert.build_model(bridge, topology, initialize=False)
+            plan = None
+            if topology == Topology():
+                reader = stack.enter_context(contextlib.closing(stream_export.TorchDistReader(iteration_dir)))
+                plan = stream_export.plan_export(bridge, model, reader)
+        how = " (routed experts streamed to the HF shards)" if plan else ""
+        with phases("load", f"loading torch_dist {iteration_dir}{how}"):
+            if plan is not None and plan.direct is not None:
+                plan.read_direct(reader)  # every chunk stored whole: no resharding, no load plan needed
+            else:
+                load_torch_dist(model, iteration_dir, streamed=plan.experts.modules() if plan else None)
         with phases("export", "exporting to HF names"):
-            exported = convert.collect_on_rank0(bridge, model)
+            if plan is None:
+                exported = convert.collect_on_rank0(bridge, model)
+            else:
+                exported = convert.collect_on_rank0(bridge, model, conversion_tasks=plan.other_tasks)
+                if rank0:
+                    exported.update(stream_export.streamed_export_tensors(plan.experts, reader))
         result: dict[str, Any] | None = None
-        if convert.is_rank0():
+        if rank0:
             source = hf_io.HFCheckpoint(hf_checkpoint)
             _check_exported(exported, tensor_signature(source, source.language_model_names()))
             with phases("write", f"writing {output}"):
                 written = hf_io.write_hf_checkpoint(
                     output, exported, source, max_shard_size=max_shard_size, force=force
                 )
-            tensor_bytes = sum(t.numel() * t.element_size() for t in exported.values())
+            tensor_bytes = sum(hf_io.tensor_nbytes(t) for t in exported.values())
             moved = phases.seconds["load"] + phases.seconds["export"] + phases.seconds["write"]
             files, nbytes = _directory_stats(written)
             result = {
@@ -623,6 +672,8 @@ def export_job(
                 "topology": str(topology),
                 "parallel": vars(topology),
                 "world_size": dist.get_world_size(),
+                "experts_streamed": plan is not None,
+                "loader": "direct" if plan is not None and plan.direct is not None else "dist_checkpointing",
                 "tensors": len(exported),
                 "bytes": tensor_bytes,
                 "seconds": round(time.perf_counter() - start, 3),
@@ -699,7 +750,12 @@ Convert a Megatron torch_dist checkpoint (from vime-gemma4 import or a training 
 complete HF checkpoint, at any valid topology: the one it was saved at does not matter. The HF
 checkpoint it came from supplies the config, tokenizer and the non-language (vision) tensors and
 must describe the same model (checked before ranks start). OUT is sharded by --max-shard-size with
-a model.safetensors.index.json and appears only when complete."""
+a model.safetensors.index.json and appears only when complete.
+
+Without topology flags (the fast path) the routed experts stream from the torch_dist files to the
+HF shards, one expert in memory at a time, when the checkpoint stores them whole (saved at
+--etp 1); the rest goes through Megatron-Bridge as always. Topology flags load the checkpoint into
+the Megatron model at that topology first (slower; a check that it loads there)."""
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,71 @@
+"""The streaming export's file-level pieces: reading torch_dist items in place, writing safetensors lazily.
+
+End-to-end behaviour (experts streamed or not, bitwise output) is in test_torch_dist.py; here the two
+places where this plugin reads or writes a file format itself are checked against the libraries that
+own the format: every item read in place must equal ``torch.load`` of it, anything that is not a
+plain tensor must go to ``torch.load``, and every file written must read back with ``safetensors``.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from vime_gemma4_bridge import hf_io, stream_export
+
+
+def _item_file(tmp_path: Path, values: list[object]) -> tuple[mmap.mmap, list[tuple[int, int]]]:
+    """torch.save each value back to back in one file, as the torch_dist writer does; (mapping, [(offset, length)])."""
+    spans, blob = [], io.BytesIO()
+    for value in values:
+        start = blob.tell()
+        torch.save(value, blob)
+        spans.append((start, blob.tell() - start))
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(blob.getvalue())
+    with open(path, "rb") as handle:
+        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY), spans
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.bool])
+def test_plain_items_are_located_exactly(tmp_path: Path, dtype: torch.dtype) -> None:
+    values = [torch.randn(3, 5, 7).to(dtype), torch.randn(4).to(dtype), torch.tensor(1.5).to(dtype)]
+    buffer, spans = _item_file(tmp_path, values)
+    for value, (offset, length) in zip(values, spans, strict=True):
+        start, got_dtype, shape = stream_export._plain_tensor_location(buffer, offset, length)
+        assert (got_dtype, shape) == (value.dtype, tuple(value.shape))
+        read = torch.frombuffer(buffer, dtype=got_dtype, count=value.numel(), offset=start).view(shape)
+        assert torch.equal(read, value)
+        assert torch.equal(read, torch.load(io.BytesIO(buffer[offset : offset + length]), weights_only=True))
+
+
+def test_views_and_other_objects_are_left_to_torch_load(tmp_path: Path) -> None:
+    base = torch.randn(6, 4)
+    values = [base[2:4], base.t(), {"not": "a tensor"}, [torch.ones(2)]]
+    buffer, spans = _item_file(tmp_path, values)
+    for offset, length in spans:
+        with pytest.raises(stream_export._NotPlain):
+            stream_export._plain_tensor_location(buffer, offset, length)
+
+
+def test_lazy_tensors_write_loadable_safetensors(tmp_path: Path) -> None:
+    experts = torch.randn(4, 6, 3, dtype=torch.bfloat16)
+    eager = {"a": torch.randn(2, 3), "scalar": torch.tensor(3.0), "strided": torch.arange(12).view(3, 4).t()}
+    lazy = hf_io.LazyTensor((4, 6, 3), torch.bfloat16, lambda: iter(experts.unbind(0)))
+    hf_io.save_safetensors(tmp_path / "x.safetensors", [*eager.items(), ("experts", lazy)], metadata={"format": "pt"})
+    with safe_open(tmp_path / "x.safetensors", framework="pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+        assert torch.equal(handle.get_tensor("experts"), experts)
+        for name, value in eager.items():
+            assert torch.equal(handle.get_tensor(name), value)
+
+
+def test_a_lazy_tensor_of_the_wrong_size_is_refused(tmp_path: Path) -> None:
+    short = hf_io.LazyTensor((4, 2), torch.float32, lambda: iter([torch.zeros(3, 2)]))
+    with pytest.raises(hf_io.CheckpointError, match="expected 32"):
+        hf_io.save_safetensors(tmp_path / "x.safetensors", [("short", short)], metadata={})
