@@ -233,6 +233,21 @@ class TorchDistReader:
             raise ValueError(f"torch_dist chunk {key}@{list(offsets)} holds {tensor.dtype}{list(tensor.shape)}")
         return tensor
 
+    def release(self, key: str, offsets: Sequence[int]) -> None:
+        """Drop a used chunk's pages from this process (they stay in the page cache): RSS stays ~one chunk.
+
+        Safe even while a tensor still views them: the mapping is private and never written, so a
+        later access faults the file's bytes back in.
+        """
+        info = self._items[(key, tuple(offsets))]
+        buffer = self._files.get(info.relative_path)
+        if buffer is None:
+            return
+        start = -(-info.offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (info.offset + info.length) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def close(self) -> None:
         """Drop the mappings (a mapping still viewed by a tensor is unmapped when that tensor goes)."""
         self._files.clear()
@@ -429,5 +444,7 @@ def _pieces(group: list[_Expert], reader: TorchDistReader):
         for expert in group:
             for piece in expert.pieces:
                 yield reader.read(piece.key, piece.global_offset, _stored_shape(piece))
+                # The writer has written it and holds no reference: let its pages go from this process.
+                reader.release(piece.key, piece.global_offset)
 
     return pieces
