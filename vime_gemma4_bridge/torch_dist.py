@@ -640,15 +640,20 @@ def export_job(
                 reader = stack.enter_context(contextlib.closing(stream_export.TorchDistReader(iteration_dir)))
                 plan = stream_export.plan_export(bridge, model, reader)
         how = " (routed experts streamed to the HF shards)" if plan else ""
+        # Streaming reads whole chunks and exports at TP1·PP1·EP1 (no collective): rank 0 alone
+        # does it; the others would only compete for the same cores.
+        idle = plan is not None and plan.direct is not None and not rank0
+        exported: dict[str, Any] = {}
         with phases("load", f"loading torch_dist {iteration_dir}{how}"):
             if plan is not None and plan.direct is not None:
-                plan.read_direct(reader)  # every chunk stored whole: no resharding, no load plan needed
+                if not idle:
+                    plan.read_direct(reader)  # every chunk stored whole: no resharding, no load plan needed
             else:
                 load_torch_dist(model, iteration_dir, streamed=plan.experts.modules() if plan else None)
         with phases("export", "exporting to HF names"):
             if plan is None:
                 exported = convert.collect_on_rank0(bridge, model)
-            else:
+            elif not idle:
                 exported = convert.collect_on_rank0(bridge, model, conversion_tasks=plan.other_tasks)
                 if rank0:
                     exported.update(stream_export.streamed_export_tensors(plan.experts, reader))
