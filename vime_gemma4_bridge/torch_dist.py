@@ -757,10 +757,11 @@ checkpoint it came from supplies the config, tokenizer and the non-language (vis
 must describe the same model (checked before ranks start). OUT is sharded by --max-shard-size with
 a model.safetensors.index.json and appears only when complete.
 
-Without topology flags (the fast path) the routed experts stream from the torch_dist files to the
-HF shards, one expert in memory at a time, when the checkpoint stores them whole (saved at
---etp 1); the rest goes through Megatron-Bridge as always. Topology flags load the checkpoint into
-the Megatron model at that topology first (slower; a check that it loads there)."""
+At the default topology (no topology flags, or all of them 1: the fast path) the routed experts
+stream from the torch_dist files to the HF shards, one expert in memory at a time, when the
+checkpoint stores them whole (saved at --etp 1); the rest goes through Megatron-Bridge as always.
+Any other topology loads the checkpoint into the Megatron model at that topology first (slower; a
+check that it loads there)."""
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
