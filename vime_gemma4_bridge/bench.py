@@ -190,11 +190,8 @@ def layer_experts_bytes(hf_checkpoint: str | os.PathLike) -> int:
         name = f"{source.prefix}layers.0.experts.{suffix}"
         with safe_open(source.path / source.weight_map[name], framework="pt") as handle:
             piece = handle.get_slice(name)
-            total += math.prod(piece.get_shape()) * _DTYPE_BYTES[piece.get_dtype()]
+            total += math.prod(piece.get_shape()) * hf_io.DTYPE_BYTES[piece.get_dtype()]
     return total
-
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 def write_synthetic_checkpoint(
@@ -667,15 +664,12 @@ def run_bench(
                 results = world.run(live_job, str(source), topology, buffer_size, quiet)
                 live = results[0]
                 result.steps.append(
-                    Step(
+                    _step(
                         "live",
                         nbytes,
                         nproc,
-                        str(topology),
-                        max(r["seconds"] for r in results),
-                        sum(r["cpu"] for r in results),
-                        max(r["peak_rss"] for r in results),
-                        max(r["extra_rss"] for r in results),
+                        topology,
+                        results,
                         {"build+load, untimed": round(live["load_seconds"], 3)},
                         f"{live['chunks']} chunks, largest {live['largest_chunk'] / 1e6:.1f} MB, not written",
                     )
@@ -694,6 +688,19 @@ def _max_shard_bytes(source: Path) -> int:
 
 def _conversion_step(name: str, nbytes: int, nproc: int, topology: Topology, results: list[dict]) -> Step:
     report = results[0]["result"] or {}
+    return _step(name, nbytes, nproc, topology, results, dict(report.get("phases") or {}))
+
+
+def _step(
+    name: str,
+    nbytes: int,
+    nproc: int,
+    topology: Topology,
+    results: list[dict],
+    phases: dict[str, float],
+    note: str = "",
+) -> Step:
+    """One step from every rank's measurement: slowest wall time, total CPU, largest RSS figures."""
     return Step(
         name,
         nbytes,
@@ -703,7 +710,8 @@ def _conversion_step(name: str, nbytes: int, nproc: int, topology: Topology, res
         sum(r["cpu"] for r in results),
         max(r["peak_rss"] for r in results),
         max(r["extra_rss"] for r in results),
-        dict(report.get("phases") or {}),
+        phases,
+        note,
     )
 
 

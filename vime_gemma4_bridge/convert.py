@@ -107,8 +107,7 @@ def export_language_model(
     ``conversion_tasks`` restricts it to those of Megatron-Bridge's tasks (default: all of them).
     """
     seen: set[str] = set()
-    tasks = {"conversion_tasks": conversion_tasks} if conversion_tasks is not None else {}
-    for item in bridge.export_hf_weights(model, cpu=True, show_progress=is_rank0(), **tasks):
+    for item in bridge.export_hf_weights(model, cpu=True, show_progress=is_rank0(), conversion_tasks=conversion_tasks):
         name, tensor = item[0], item[1]
         if name in seen:
             raise ValueError(f"export produced {name!r} twice; a mapping is duplicated")

@@ -234,7 +234,8 @@ def _write_shards(directory: Path, tensors: list[tuple[str, torch.Tensor | LazyT
     (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
-_SAFETENSORS_DTYPES = {
+#: torch dtype -> safetensors dtype name, and each name's bytes per element: the one table of both.
+SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -243,9 +244,13 @@ _SAFETENSORS_DTYPES = {
     torch.int32: "I32",
     torch.int16: "I16",
     torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+DTYPE_BYTES = {name: dtype.itemsize for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 def save_safetensors(
@@ -264,7 +269,7 @@ def save_safetensors(
     for name, tensor in tensors:
         nbytes = tensor_nbytes(tensor)
         header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + nbytes],
         }

@@ -292,7 +292,7 @@ class ExportPlan:
 
     def read_direct(self, reader: TorchDistReader) -> None:
         """Copy every non-expert weight from its stored chunk(s) into the model; refuse unused stored tensors."""
-        from vime_gemma4_bridge.torch_dist import ConversionError, is_model_tensor_key
+        from vime_gemma4_bridge.torch_dist import refuse_unused_keys
 
         assert self.direct is not None
         used: set[str] = set()
@@ -303,12 +303,7 @@ class ExportPlan:
                     piece.data.copy_(stored.view(piece.data.shape))
                     used.add(piece.key)
         used.update(key for keys in self.experts.modules().values() for key in keys)
-        unused = sorted(key for key in reader.tensor_keys() if is_model_tensor_key(key) and key not in used)
-        if unused:
-            raise ConversionError(
-                f"torch_dist checkpoint holds {len(unused)} tensor(s) this model lacks (e.g. {unused[0]}): "
-                "it holds a different model than --hf-checkpoint"
-            )
+        refuse_unused_keys(key for key in reader.tensor_keys() if key not in used)
 
 
 def plan_export(bridge: Any, model: list[torch.nn.Module], reader: TorchDistReader) -> ExportPlan | None:

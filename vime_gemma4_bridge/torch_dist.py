@@ -50,13 +50,14 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,13 +105,21 @@ _NON_MODEL_KEY = re.compile(r"^(optimizer|rng_state|rerun_state_machine|common_s
 _EXTRA_STATE = re.compile(r"_extra_state\d*$")
 
 
-def is_model_tensor_key(key: str) -> bool:
-    """A torch_dist key of a model weight (not optimizer/RNG/common state, not TE's ``_extra_state``)."""
-    return not _NON_MODEL_KEY.search(key) and not _EXTRA_STATE.search(key)
-
-
 class ConversionError(ValueError):
     """A conversion cannot proceed (one line: what is wrong and what to do)."""
+
+
+def refuse_unused_keys(keys: Iterable[str]) -> None:
+    """Raise :class:`ConversionError` if any of these torch_dist keys is a model weight nothing loaded.
+
+    Optimizer, RNG and common state (training checkpoints) and TE's ``_extra_state`` are not weights.
+    """
+    unused = sorted(key for key in keys if not _NON_MODEL_KEY.search(key) and not _EXTRA_STATE.search(key))
+    if unused:
+        raise ConversionError(
+            f"torch_dist checkpoint holds {len(unused)} tensor(s) this model lacks (e.g. {unused[0]}): "
+            "it holds a different model than --hf-checkpoint"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -446,16 +455,7 @@ def load_torch_dist(
             "it holds a different model than --hf-checkpoint"
         )
     used_elsewhere = {key for keys in streamed.values() for key in keys}
-    unused = sorted(
-        key
-        for key in unused
-        if not _NON_MODEL_KEY.search(key) and not _EXTRA_STATE.search(key) and key not in used_elsewhere
-    )
-    if unused:
-        raise ConversionError(
-            f"torch_dist checkpoint holds {len(unused)} tensor(s) this model lacks (e.g. {unused[0]}): "
-            "it holds a different model than --hf-checkpoint"
-        )
+    refuse_unused_keys(key for key in unused if key not in used_elsewhere)
     for i, chunk in enumerate(model):
         key = "model" if len(model) == 1 else f"model{i}"
         weights = {name: value for name, value in loaded[key].items() if not _EXTRA_STATE.search(name)}
@@ -640,20 +640,21 @@ def export_job(
                 reader = stack.enter_context(contextlib.closing(stream_export.TorchDistReader(iteration_dir)))
                 plan = stream_export.plan_export(bridge, model, reader)
         how = " (routed experts streamed to the HF shards)" if plan else ""
-        # Streaming reads whole chunks and exports at TP1·PP1·EP1 (no collective): rank 0 alone
-        # does it; the others would only compete for the same cores.
-        idle = plan is not None and plan.direct is not None and not rank0
+        # Reading whole chunks and exporting at TP1·PP1·EP1 involves no collective: with direct reads
+        # rank 0 alone does it, the others would only compete for the same cores.
+        works = plan is None or plan.direct is None or rank0
         exported: dict[str, Any] = {}
         with phases("load", f"loading torch_dist {iteration_dir}{how}"):
-            if plan is not None and plan.direct is not None:
-                if not idle:
-                    plan.read_direct(reader)  # every chunk stored whole: no resharding, no load plan needed
-            else:
-                load_torch_dist(model, iteration_dir, streamed=plan.experts.modules() if plan else None)
+            if plan is None:
+                load_torch_dist(model, iteration_dir)
+            elif plan.direct is None:
+                load_torch_dist(model, iteration_dir, streamed=plan.experts.modules())
+            elif works:
+                plan.read_direct(reader)  # every chunk stored whole: no resharding, no load plan needed
         with phases("export", "exporting to HF names"):
             if plan is None:
                 exported = convert.collect_on_rank0(bridge, model)
-            elif not idle:
+            elif works:
                 exported = convert.collect_on_rank0(bridge, model, conversion_tasks=plan.other_tasks)
                 if rank0:
                     exported.update(stream_export.streamed_export_tensors(plan.experts, reader))
@@ -700,11 +701,13 @@ def _check_exported(exported: Mapping[str, Any], signature: Mapping[str, list]) 
     The torch_dist checkpoint may hold trained weights, so values may differ; its layout may not: the
     output must load wherever the source loads (transformers, vLLM).
     """
+    from vime_gemma4_bridge.hf_io import SAFETENSORS_DTYPES
+
     for name, (shape, dtype) in signature.items():
         if name not in exported:
             raise ConversionError(f"the export produced no {name}; refusing to write an incomplete checkpoint")
         tensor = exported[name]
-        got = [list(tensor.shape), _SAFETENSORS_DTYPE.get(str(tensor.dtype).removeprefix("torch."), str(tensor.dtype))]
+        got = [list(tensor.shape), SAFETENSORS_DTYPES.get(tensor.dtype, str(tensor.dtype))]
         if got != [list(shape), dtype]:
             raise ConversionError(
                 f"the export produced {name} as {got[1]}{got[0]} but --hf-checkpoint has {dtype}{list(shape)}; "
@@ -715,27 +718,10 @@ def _check_exported(exported: Mapping[str, Any], signature: Mapping[str, list]) 
         raise ConversionError(f"the export produced {extra[0]}, which --hf-checkpoint lacks ({len(extra)} in all)")
 
 
-_SAFETENSORS_DTYPE = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
-}
-
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2}
-
-
 def _nbytes(shape: Sequence[int], dtype: str) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count * _DTYPE_BYTES.get(dtype, 1)
+    from vime_gemma4_bridge.hf_io import DTYPE_BYTES
+
+    return math.prod(shape) * DTYPE_BYTES.get(dtype, 1)
 
 
 # --------------------------------------------------------------------------------------------
