@@ -70,14 +70,22 @@ MOE_MAPPING_TABLE: tuple[tuple[type, str, str | dict[str, str]], ...] = (
         "layers.*.post_attention_layernorm.weight",
     ),
     # feed-forward: dense MLP ("shared expert") beside the routed experts, each with its norms
-    (ReplicatedMapping, "decoder.layers.*.pre_shared_expert_layernorm.weight", "layers.*.pre_feedforward_layernorm.weight"),
+    (
+        ReplicatedMapping,
+        "decoder.layers.*.pre_shared_expert_layernorm.weight",
+        "layers.*.pre_feedforward_layernorm.weight",
+    ),
     (
         GatedMLPMapping,
         "decoder.layers.*.mlp.shared_experts.linear_fc1.weight",
         {"gate": "layers.*.mlp.gate_proj.weight", "up": "layers.*.mlp.up_proj.weight"},
     ),
     (AutoMapping, "decoder.layers.*.mlp.shared_experts.linear_fc2.weight", "layers.*.mlp.down_proj.weight"),
-    (AutoMapping, "decoder.layers.*.mlp.post_shared_expert_layernorm.weight", "layers.*.post_feedforward_layernorm_1.weight"),
+    (
+        AutoMapping,
+        "decoder.layers.*.mlp.post_shared_expert_layernorm.weight",
+        "layers.*.post_feedforward_layernorm_1.weight",
+    ),
     (AutoMapping, "decoder.layers.*.pre_mlp_layernorm.weight", "layers.*.pre_feedforward_layernorm_2.weight"),
     (AutoMapping, "decoder.layers.*.mlp.router.weight", "layers.*.router.proj.weight"),
     (ReplicatedMapping, "decoder.layers.*.mlp.router.scale", "layers.*.router.scale"),
@@ -85,7 +93,11 @@ MOE_MAPPING_TABLE: tuple[tuple[type, str, str | dict[str, str]], ...] = (
     # routed experts: one Megatron tensor per expert <-> one stacked HF tensor [E, ...]
     (FusedGatedExpertMapping, "decoder.layers.*.mlp.experts.linear_fc1.weight*", "layers.*.experts.gate_up_proj"),
     (FusedExpertMapping, "decoder.layers.*.mlp.experts.linear_fc2.weight*", "layers.*.experts.down_proj"),
-    (ReplicatedMapping, "decoder.layers.*.mlp.post_moe_layernorm.weight", "layers.*.post_feedforward_layernorm_2.weight"),
+    (
+        ReplicatedMapping,
+        "decoder.layers.*.mlp.post_moe_layernorm.weight",
+        "layers.*.post_feedforward_layernorm_2.weight",
+    ),
     (ReplicatedMapping, "decoder.layers.*.post_ffn_layernorm.weight", "layers.*.post_feedforward_layernorm.weight"),
     (ReplicatedMapping, "decoder.layers.*.layer_scalar", "layers.*.layer_scalar"),
 )
@@ -101,7 +113,11 @@ DENSE_MAPPING_TABLE: tuple[tuple[type, str, str | dict[str, str]], ...] = (
     (ReplicatedMapping, "per_layer_proj_norm.weight", "per_layer_projection_norm.weight"),
     (ReplicatedMapping, "decoder.layers.*.per_layer_input_gate.weight", "layers.*.per_layer_input_gate.weight"),
     (ReplicatedMapping, "decoder.layers.*.per_layer_projection.weight", "layers.*.per_layer_projection.weight"),
-    (ReplicatedMapping, "decoder.layers.*.post_per_layer_input_norm.weight", "layers.*.post_per_layer_input_norm.weight"),
+    (
+        ReplicatedMapping,
+        "decoder.layers.*.post_per_layer_input_norm.weight",
+        "layers.*.post_per_layer_input_norm.weight",
+    ),
     # attention: kv-shared layers have no k/v projections in HF
     (AutoMapping, "decoder.layers.*.input_layernorm.weight", "layers.*.input_layernorm.weight"),
     (

@@ -176,9 +176,7 @@ def add_export_live_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--hf-checkpoint", required=True, metavar="DIR", help="Gemma 4 HF checkpoint to load")
     Topology.add_arguments(parser)
     add_launch_arguments(parser)
-    parser.add_argument(
-        "--buffer-size", required=True, metavar="BYTES", help="largest chunk, e.g. 1073741824 or 1GiB"
-    )
+    parser.add_argument("--buffer-size", required=True, metavar="BYTES", help="largest chunk, e.g. 1073741824 or 1GiB")
     parser.add_argument("--dump", required=True, metavar="DIR", help="directory to write the chunk files into")
     parser.add_argument("--force", action="store_true", help="replace --dump if it exists")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -316,4 +314,3 @@ def run_verify(args: argparse.Namespace) -> int:
             f"identical in {report['files']} file(s) of {report['directory']}"
         )
     return 0 if report["ok"] else 1
-

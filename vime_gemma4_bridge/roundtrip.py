@@ -121,4 +121,3 @@ def run(args: argparse.Namespace) -> int:
         if args.output:
             print(f"wrote {result['output']}" if result.get("output") else "no output written: tensors differ")
     return 0 if result["identical"] else 1
-

@@ -42,9 +42,7 @@ class _AbsentTE(type):
         return _AbsentTE(f"{cls.__name__}.{name}", (), {})
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        raise ModuleNotFoundError(
-            f"{cls.__name__} needs Transformer Engine, which is not installed on this host"
-        )
+        raise ModuleNotFoundError(f"{cls.__name__} needs Transformer Engine, which is not installed on this host")
 
 
 _PLACEHOLDER = _AbsentTE("transformer_engine", (), {})
