@@ -1,6 +1,6 @@
 """Build hook: ship ``vime_gemma4_bridge_autoload.pth`` at the root of site-packages.
 
-The ``.pth`` line is inert unless ``VIME_GEMMA4_BRIDGE_AUTOLOAD=1`` (see vime_gemma4_bridge/autoload.py).
+The ``.pth`` line is inert unless ``VIME_GEMMA4_BRIDGE_AUTOLOAD=1`` (see vime_gemma4_bridge/compat/autoload.py).
 Everything else about the distribution is declared in pyproject.toml.
 """
 

@@ -88,6 +88,15 @@ export PYTHONUNBUFFERED=1
   echo "vime_gemma4_bridge is not importable by ${PYTHON}: run 'pip install --no-deps -e <vime_gemma4_bridge checkout>'" >&2
   exit 1
 }
+# Preflight: the plugin registers, its model builds with this host's modules, and (except under
+# DRY_RUN, which may run on a machine other than the actor image) vime's bridge mode can use this
+# Megatron-Bridge build: `vime-gemma4 env --vime` prints what it found and exits 1 with the reason.
+PREFLIGHT=(env)
+[[ "${DRY_RUN}" == 1 ]] || PREFLIGHT+=(--vime)
+"${PYTHON}" -m vime_gemma4_bridge.cli "${PREFLIGHT[@]}" >&2 || {
+  echo "preflight failed: see 'vime-gemma4 ${PREFLIGHT[*]}' above" >&2
+  exit 1
+}
 
 # ------------------------------------------------------------------------------------------------
 # Arguments of vime's train.py

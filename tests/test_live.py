@@ -14,6 +14,7 @@ from vime_gemma4_bridge import cli
 from vime_gemma4_bridge.distributed import Topology
 from vime_gemma4_bridge.hf_io import HFCheckpoint
 from vime_gemma4_bridge.live import chunk_by_bytes, export_live_job, verify_update
+from vime_gemma4_bridge.parity import excluded_token_ids, fixed_token_ids
 from vime_gemma4_bridge.tiny import TinySpec, write_tiny_checkpoint
 
 
@@ -36,8 +37,14 @@ def _names_job(hf_checkpoint: str, topology: Topology) -> list[tuple[str, str, t
 
 def test_chunk_by_bytes_bounds_chunks() -> None:
     tensors = [(f"t{i}", torch.zeros(n, dtype=torch.uint8), f"m{i}") for i, n in enumerate([3, 3, 10, 1, 2, 2])]
-    chunks = list(chunk_by_bytes(tensors, 5))
-    assert [[name for name, *_ in chunk] for chunk in chunks] == [["t0"], ["t1"], ["t2"], ["t3", "t4", "t5"]]
+    chunks = list(chunk_by_bytes(tensors, 5))  # vime's rule: a chunk closes before it would reach 5 bytes
+    assert [[name for name, *_ in chunk] for chunk in chunks] == [["t0"], ["t1"], ["t2"], ["t3", "t4"], ["t5"]]
+    assert [[name for name, *_ in chunk] for chunk in chunk_by_bytes(tensors, 6)] == [
+        ["t0"],
+        ["t1"],
+        ["t2"],
+        ["t3", "t4", "t5"],
+    ]
     with pytest.raises(ValueError, match="at least 1 byte"):
         list(chunk_by_bytes(tensors, 0))
 
@@ -71,7 +78,7 @@ def check_dump(dump: Path, hf: Path, buffer_size: int) -> None:
         with safe_open(file, framework="pt") as handle:
             names = list(handle.keys())
             sizes = [handle.get_tensor(n).numel() * handle.get_tensor(n).element_size() for n in names]
-        assert len(names) == 1 or sum(sizes) <= buffer_size, f"{file.name} exceeds the buffer"
+        assert len(names) == 1 or sum(sizes) < buffer_size, f"{file.name} reaches the buffer"
         assert not seen & set(names), "a tensor was pushed twice"
         seen |= set(names)
         assert all(index[n] == file.name for n in names)
@@ -139,3 +146,114 @@ def test_verify_accepts_a_dtype_or_shape_change_as_mismatch(hf_vl: Path, tmp_pat
     report = verify_update(hf_vl, dump)
     assert not report["ok"]
     assert report["problems"] == [f"{name}: torch.float32 (64,) pushed, checkpoint has torch.bfloat16 (64,)"]
+
+
+# ------------------------------------------------------------------------------------------------
+# vime's weight-sync contract: the plugin driven exactly as vime's bridge iterator drives it
+# ------------------------------------------------------------------------------------------------
+
+
+def _vime_sync_job(hf_checkpoint: str, topology: Topology, dump: str, buffer_size: int) -> dict | None:
+    """One vime weight sync (tests/vime_flow.py) on every rank, on vime's fork seams (tests/fork_seams.py)."""
+    import torch.distributed as dist
+    from fork_seams import fork_seams
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.models.conversion.utils import persistent_buffers
+    from vime_flow import sync_weights, write_disk_update
+
+    import vime_gemma4_bridge
+    from vime_gemma4_bridge.compat import seams
+
+    with fork_seams():
+        assert seams.build_kind() == "vime fork"
+        vime_gemma4_bridge.init_model_parallel(topology)
+        bridge = AutoBridge.from_hf_pretrained(hf_checkpoint, trust_remote_code=True)
+        model = vime_gemma4_bridge.build_model(bridge, topology)
+        bridge.load_hf_weights(model)
+        task_names = {task.param_name for task in bridge.get_conversion_tasks(model) if task is not None}
+        buffers = {name for chunk in model for name, _ in persistent_buffers(chunk)}
+        stream = sync_weights(bridge, model, buffer_size)
+        if dist.get_rank() != 0:
+            for _ in stream:
+                pass
+            return None
+        written = write_disk_update(stream, hf_checkpoint, Path(dump))
+        return {"tensors": written, "buffer_tasks": sorted(task_names & buffers)}
+
+
+def _logits(model_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
+    from transformers import Gemma4ForConditionalGeneration
+
+    model, info = Gemma4ForConditionalGeneration.from_pretrained(model_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        return model.eval()(input_ids=input_ids).logits
+
+
+@pytest.mark.parametrize(
+    "topology", [Topology(tp=2, pp=2, ep=4, etp=1), Topology(pp=2, vpp=2)], ids=["TP2-PP2-EP4-ETP1", "PP2-VPP2"]
+)
+def test_vime_weight_sync_contract(local_world, hf_vl: Path, tmp_path: Path, topology: Topology) -> None:
+    """vime's flow on the fork seams: the dump is HF1's language model bitwise, and serves HF1's logits."""
+    buffer_size = 60_000
+    dump = tmp_path / "weight_v000001"
+    result = local_world(8).run(_vime_sync_job, str(hf_vl), topology, str(dump), buffer_size)[0]
+    assert result["buffer_tasks"] == [], "a persistent buffer is a conversion task"
+    source = HFCheckpoint(hf_vl)
+    assert result["tensors"] == len(source.language_model_names())
+    check_dump(dump, hf_vl, buffer_size)
+
+    # What vLLM would serve: HF1's vision tower with the pushed language model, loaded by transformers.
+    served = tmp_path / "served"
+    served.mkdir()
+    for side_file in ("config.json", "generation_config.json"):
+        if (hf_vl / side_file).exists():
+            (served / side_file).write_bytes((hf_vl / side_file).read_bytes())
+    vision = source.load([name for name in source.names() if name not in set(source.language_model_names())])
+    pushed = HFCheckpoint(dump)
+    save_file({**vision, **pushed.load(pushed.names())}, served / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((hf_vl / "config.json").read_text())
+    input_ids = fixed_token_ids(config["text_config"]["vocab_size"], 2, 24, excluded_token_ids(config))
+    assert torch.equal(_logits(served, input_ids), _logits(hf_vl, input_ids))
+
+
+def _refusals_job(hf_checkpoint: str) -> list[str]:
+    """What ``get_conversion_tasks`` says of a persistent buffer mapped as a task, and of a dropped mapping."""
+    from megatron.bridge import AutoBridge
+
+    import vime_gemma4_bridge
+    from vime_gemma4_bridge.core import bridge as gemma4_bridge
+
+    topology = Topology()
+    vime_gemma4_bridge.init_model_parallel(topology)
+    bridge = AutoBridge.from_hf_pretrained(hf_checkpoint)
+    model = vime_gemma4_bridge.build_model(bridge, topology, initialize=False)
+    errors = []
+    layer = model[0].decoder.layers[0]
+    scalar = layer._parameters.pop("layer_scalar")
+    layer.register_buffer("layer_scalar", scalar.data)  # what the model had before: a persistent buffer
+    try:
+        bridge.get_conversion_tasks(model)
+    except gemma4_bridge.IncompleteMapping as error:
+        errors.append(str(error))
+    layer._buffers.pop("layer_scalar")
+    layer.layer_scalar = scalar
+    table = gemma4_bridge.MOE_MAPPING_TABLE
+    gemma4_bridge.MOE_MAPPING_TABLE = tuple(row for row in table if row[1] != "decoder.layers.*.mlp.router.scale")
+    try:
+        bridge.get_conversion_tasks(model)
+    except gemma4_bridge.IncompleteMapping as error:
+        errors.append(str(error))
+    finally:
+        gemma4_bridge.MOE_MAPPING_TABLE = table
+    bridge.get_conversion_tasks(model)  # and the model as built passes
+    return errors
+
+
+def test_conversion_tasks_refuse_buffers_and_unmapped_parameters(local_world, hf_vl: Path) -> None:
+    errors = local_world(8).run(_refusals_job, str(hf_vl))[0]
+    assert errors == [
+        "persistent buffer 'decoder.layers.0.layer_scalar' is a conversion task; vime's weight sync reads "
+        "parameters only (make it a frozen parameter)",
+        "Megatron parameter 'decoder.layers.0.mlp.router.scale' has no Gemma 4 mapping; the export would drop it",
+    ]

@@ -102,7 +102,7 @@ def test_bf16_parity_tp1(local_world, checkpoints: dict[str, Path]) -> None:
 
 def shift_sliding_window(model: list) -> None:
     """Let every sliding layer see one token more than transformers' window."""
-    from vime_gemma4_bridge.modules import HostDotProductAttention
+    from vime_gemma4_bridge.core.cpu_modules import HostDotProductAttention
 
     for chunk in model:
         for module in chunk.modules():

@@ -265,6 +265,23 @@ def test_script_is_strict_bash(name: str) -> None:
     assert "\nexport VIME_GEMMA4_BRIDGE_AUTOLOAD=1\n" in text
     assert '"${PYTHON}" -c "import vime_gemma4_bridge"' in text
     assert text.index('-c "import vime_gemma4_bridge"') < text.index('if [[ "${DRY_RUN}" == 1 ]]')
+    assert text.index('-m vime_gemma4_bridge.cli "${PREFLIGHT[@]}"') < text.index('if [[ "${DRY_RUN}" == 1 ]]')
+
+
+def test_preflight_refuses_a_build_vime_cannot_use(recipe_env: tuple[dict[str, str], Path]) -> None:
+    """Without DRY_RUN the recipe runs ``vime-gemma4 env --vime``: on the release (two-field export) it stops."""
+    env, marker = recipe_env
+    proc = subprocess.run(
+        ["bash", str(RECIPES / ONE_NODE)],
+        env={**env, "DRY_RUN": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "env FAILED: vime's bridge weight sync unpacks three fields" in proc.stderr
+    assert not marker.exists(), "the recipe launched something after a failed preflight"
 
 
 @pytest.mark.parametrize("name", ALL_RECIPES)

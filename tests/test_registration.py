@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vime_gemma4_bridge.autoload import ENV_VAR, PTH_LINE
+from vime_gemma4_bridge.compat.autoload import ENV_VAR, PTH_LINE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ for name in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"):
 #: Installs the TE import guard without importing the package (whose import would register the plugin).
 TE_GUARD_ONLY = (
     "import importlib.util as u\n"
-    f"spec = u.spec_from_file_location('_te_guard', {str(REPO / 'vime_gemma4_bridge' / 'te_guard.py')!r})\n"
+    f"spec = u.spec_from_file_location('_te_guard', {str(REPO / 'vime_gemma4_bridge' / 'compat' / 'te_guard.py')!r})\n"
     "guard = u.module_from_spec(spec); spec.loader.exec_module(guard); guard.install()\n"
 )
 
@@ -55,7 +55,7 @@ def dispatch_after(prelude: str, env: dict[str, str] | None = None) -> dict[str,
         + "import megatron.bridge.models.gemma.gemma4_bridge, megatron.bridge.models.gemma_vl.gemma4_vl_bridge\n"
         "import vime_gemma4_bridge\n",
         # one of the plugin's own modules is the first to import megatron.bridge
-        "import vime_gemma4_bridge.provider\n",
+        "import vime_gemma4_bridge.core.provider\n",
         # explicit registration, then upstream modules imported again
         "import vime_gemma4_bridge; vime_gemma4_bridge.register(); vime_gemma4_bridge.register()\n"
         "import importlib, megatron.bridge.models.gemma.gemma4_bridge as m; importlib.reload(m)\n",
@@ -92,3 +92,66 @@ def test_wheel_ships_the_autoload_pth(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("vime_gemma4_bridge-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         assert archive.read("vime_gemma4_bridge_autoload.pth").decode().strip() == PTH_LINE
+
+
+#: Makes one import the plugin needs fail, as it would on a Megatron-Bridge build that lacks it.
+BLOCK_PLUGIN_MODEL = (
+    "import sys\n"
+    "class Refuse:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name == 'vime_gemma4_bridge.core.model':\n"
+    "            raise ImportError('simulated: cannot import vime_gemma4_bridge.core.model')\n"
+    "sys.meta_path.insert(0, Refuse())\n"
+)
+
+
+def test_autoload_fails_safe(tmp_path: Path) -> None:
+    """Registration impossible: other architectures still convert, Gemma 4 look-ups fail in one line."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vime_gemma4_bridge.tiny import TinySpec, write_tiny_checkpoint
+
+    torch.manual_seed(0)
+    llama_config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(llama_config).to(torch.bfloat16).save_pretrained(tmp_path / "llama")
+    gemma = write_tiny_checkpoint(tmp_path / "gemma", TinySpec(seed=5))
+    (tmp_path / "vime_gemma4_bridge_autoload.pth").write_text(PTH_LINE + "\n")
+    env = {**os.environ, ENV_VAR: "1"}
+    script = REPO / "tests" / "autoload_failsafe.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(tmp_path / "llama"), str(gemma)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    (llama,) = [line for line in lines if line.startswith("llama ")]
+    done, total = llama.split()[1].split("/")
+    assert done == total and int(total) > 10, llama
+    (gemma_line,) = [line for line in lines if line.startswith("gemma: ")]
+    assert gemma_line.startswith("gemma: PluginUnavailable: vime-gemma4-bridge could not register"), gemma_line
+    assert "simulated: cannot import vime_gemma4_bridge.core.model" in gemma_line
+    logged = [line for line in (proc.stderr + proc.stdout).splitlines() if not line.startswith("gemma: ")]
+    assert any("could not register its Gemma 4 bridges" in line for line in logged)  # logged, not swallowed
+
+
+def test_explicit_register_raises_what_prevents_it() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCK_PLUGIN_MODEL + "import vime_gemma4_bridge; vime_gemma4_bridge.register()"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "ImportError: simulated: cannot import vime_gemma4_bridge.core.model" in proc.stderr

@@ -13,14 +13,14 @@ import textwrap
 
 import pytest
 
-from vime_gemma4_bridge import te_guard
+from vime_gemma4_bridge.compat import te_guard
 
 pytestmark = pytest.mark.skipif(te_guard.te_available(), reason="Transformer Engine is installed: nothing to guard")
 
 _PROBE = textwrap.dedent(
     """
     import json, sys
-    import vime_gemma4_bridge.te_guard as g
+    import vime_gemma4_bridge.compat.te_guard as g
 
     active = g.install()
     assert g.install() == active  # idempotent

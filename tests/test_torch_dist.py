@@ -219,14 +219,15 @@ def test_text_report_and_force_replaces_only_when_complete(single_rank, capsys, 
 
 def test_run_config_instantiates_the_provider(single_rank) -> None:
     """Megatron-Bridge's loader can rebuild the model from run_config.yaml (allow-listed targets)."""
-    from vime_gemma4_bridge.provider import Gemma4TextModelProvider, gemma4_block_spec
+    from vime_gemma4_bridge.core.provider import Gemma4TextModelProvider
+    from vime_gemma4_bridge.core.spec import gemma4_block_spec
     from vime_gemma4_bridge.torch_dist import provider_from_run_config
 
     provider = provider_from_run_config(single_rank["save"] / ITERATION_DIR)
     assert type(provider) is Gemma4TextModelProvider
     assert provider.transformer_layer_spec is gemma4_block_spec
     assert (provider.num_layers, provider.hidden_size, provider.num_moe_experts) == (4, 64, 16)
-    assert provider.interleaved_attn_pattern == ["sliding_attention", "full_attention"] * 2
+    assert provider.layer_types == ["sliding_attention", "full_attention"] * 2
     sidecar = json.loads((single_rank["save"] / ITERATION_DIR / SIDECAR_NAME).read_text())
     assert sidecar["hf_config"] == json.loads((single_rank["hf"] / "config.json").read_text())
     assert len(sidecar["language_model"]) == 88

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vime_gemma4_bridge import bench, demo, doctor, live, parity, roundtrip, tiny, torch_dist
+    from vime_gemma4_bridge import bench, demo, doctor, env, live, parity, roundtrip, tiny, torch_dist
 
     parser = argparse.ArgumentParser(
         prog="vime-gemma4",
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_parser(sub)
     torch_dist.add_parsers(sub)
     bench.add_parser(sub)
+    env.add_parser(sub)
     return parser
 
 

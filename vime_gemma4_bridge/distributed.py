@@ -578,7 +578,7 @@ def _rank_main(
 ) -> None:
     """Body of one rank process after the bootstrap: join the world, then run tasks until told to exit."""
     try:
-        from vime_gemma4_bridge import te_guard
+        from vime_gemma4_bridge.compat import te_guard
 
         te_guard.install()
         import importlib

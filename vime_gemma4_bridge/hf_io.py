@@ -20,11 +20,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-#: Where the language model's tensors live in each supported HF class.
-LANGUAGE_MODEL_PREFIX = {
-    "Gemma4ForCausalLM": "model.",
-    "Gemma4ForConditionalGeneration": "model.language_model.",
-}
+from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 #: Weight files are rewritten; every other file of the source (config, generation config,
@@ -99,6 +96,20 @@ class HFCheckpoint:
     def language_model_names(self) -> list[str]:
         """The tensors that belong to Megatron (the language-model filter)."""
         return [name for name in self.weight_map if name.startswith(self.prefix)]
+
+    def signatures(self, names: Iterable[str]) -> dict[str, tuple[list[int], str]]:
+        """``{name: (shape, safetensors dtype)}`` from the safetensors headers (no tensor data is read)."""
+        wanted = list(names)
+        by_file: dict[str, list[str]] = {}
+        for name in wanted:
+            by_file.setdefault(self.weight_map[name], []).append(name)
+        found: dict[str, tuple[list[int], str]] = {}
+        for file, file_names in by_file.items():
+            with safe_open(self.path / file, framework="pt") as handle:
+                for name in file_names:
+                    piece = handle.get_slice(name)
+                    found[name] = (list(piece.get_shape()), str(piece.get_dtype()))
+        return {name: found[name] for name in wanted}
 
     def load(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """Load the named tensors (all when ``names`` is None), opening each shard once."""

@@ -9,7 +9,7 @@ HF-named tensors out of Megatron-Bridge's export. This module is that stream for
   name). Names, shapes and dtypes are those of the HF checkpoint: stacked experts, no ``v_proj`` on
   k_eq_v layers, no ``lm_head`` (tied), no vision/audio tensors — the layout vLLM's Gemma 4 loader
   takes.
-* :func:`chunk_by_bytes` groups the stream into chunks of at most N bytes (a larger tensor stands
+* :func:`chunk_by_bytes` groups the stream into chunks below N bytes (a tensor of N or more stands
   alone), like vime's ``chunk_named_params_by_size``. Peak extra memory is one chunk plus what
   Megatron-Bridge holds to stack one layer's experts.
 * ``vime-gemma4 export-live`` drives it from the command line and writes each chunk as one
@@ -75,14 +75,18 @@ def iter_hf_weights(
 
 
 def chunk_by_bytes(weights: Iterable[NamedWeight], max_bytes: int) -> Iterator[list[NamedWeight]]:
-    """Group a stream into chunks of at most ``max_bytes``; a larger single tensor is a chunk alone."""
+    """Group a stream into chunks below ``max_bytes``; a tensor that reaches it alone is a chunk alone.
+
+    vime's rule (``chunk_named_params_by_size``): a chunk is closed when adding the next tensor would
+    bring it to ``max_bytes`` or more.
+    """
     if max_bytes < 1:
         raise ValueError(f"--buffer-size must be at least 1 byte, got {max_bytes}")
     chunk: list[NamedWeight] = []
     size = 0
     for item in weights:
         nbytes = item[1].numel() * item[1].element_size()
-        if chunk and size + nbytes > max_bytes:
+        if chunk and size + nbytes >= max_bytes:
             yield chunk
             chunk, size = [], 0
         chunk.append(item)
@@ -168,15 +172,20 @@ def add_export_live_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Load a Gemma 4 HF checkpoint into the Megatron model at the given topology and stream it out "
             "through the live export path vime uses with --megatron-to-hf-mode bridge: (hf_name, tensor, "
-            "megatron_name) for the language model only, in chunks of at most --buffer-size bytes (a larger "
-            "tensor alone). Each chunk is written as one safetensors file, as vime's disk transport does, with "
+            "megatron_name) for the language model only, in chunks below --buffer-size bytes (vime's rule; a "
+            "larger tensor alone). Each chunk is written as one safetensors file, as vime's disk transport does, with "
             "an index and the checkpoint's side files; check the result with `vime-gemma4 verify-update`."
         ),
     )
     parser.add_argument("--hf-checkpoint", required=True, metavar="DIR", help="Gemma 4 HF checkpoint to load")
     Topology.add_arguments(parser)
     add_launch_arguments(parser)
-    parser.add_argument("--buffer-size", required=True, metavar="BYTES", help="largest chunk, e.g. 1073741824 or 1GiB")
+    parser.add_argument(
+        "--buffer-size",
+        required=True,
+        metavar="BYTES",
+        help="chunk bound (vime's --update-weight-buffer-size), e.g. 1GiB",
+    )
     parser.add_argument("--dump", required=True, metavar="DIR", help="directory to write the chunk files into")
     parser.add_argument("--force", action="store_true", help="replace --dump if it exists")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

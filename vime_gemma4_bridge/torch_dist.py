@@ -346,7 +346,7 @@ def _cpu_checkpointing() -> Iterator[None]:
     if torch.cuda.is_available():
         yield
         return
-    from vime_gemma4_bridge.modules import host_cuda_device
+    from vime_gemma4_bridge.compat.cuda import host_cuda_device
 
     original = torch.cuda.synchronize
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]

@@ -1,11 +1,15 @@
-"""CPU-safe variants of two Megatron-Bridge mapping classes (a candidate upstream fix).
+"""CPU-safe variants of two Megatron-Bridge mapping classes (docs/UPSTREAM.md 4).
 
-Megatron-Bridge 0.6.2's ``ReplicatedMapping.hf_to_megatron`` moves the HF tensor to
-``torch.cuda.current_device()`` before the TP broadcast whenever TP > 1, which raises on a host
-without a GPU driver. Everything else on the load path (PP broadcast, TP scatter, EP gather) runs
-on CPU tensors over gloo. These subclasses keep upstream's behaviour for CUDA parameters and skip
-only that device move for CPU parameters. ``AutoMapping`` is subclassed so that the replicated
-delegate it picks at run time is the CPU-safe one.
+Megatron-Bridge's ``ReplicatedMapping.hf_to_megatron`` (0.6.2 and vime's fork alike) moves the HF
+tensor to ``torch.cuda.current_device()`` before the TP broadcast whenever TP > 1, which raises on
+a host without a GPU driver. Everything else on the load path (PP broadcast, TP scatter, EP
+gather) runs on CPU tensors over gloo. These subclasses keep upstream's behaviour for CUDA
+parameters and skip only that device move for CPU parameters. ``AutoMapping`` is subclassed so
+that the replicated delegate it picks at run time is the CPU-safe one.
+
+Seam: 0.6.2 keeps the process-group collection on each mapping (``_pg_collection``) and hands it
+to the delegate; the fork keeps none (its delegates read megatron-core's parallel state), so the
+delegate gets the collection only where the build has one.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class AutoMapping(param_mapping.AutoMapping):
         if parallelism_type != "replicated":
             return super()._get_or_create_mapping(parallelism_type)
         mapping = ReplicatedMapping(self.megatron_param, self.hf_param)
-        if self._pg_collection is not None:
-            mapping.set_process_groups_from_pg_collection(self._pg_collection)
+        pg_collection = getattr(self, "_pg_collection", None)
+        if pg_collection is not None:
+            mapping.set_process_groups_from_pg_collection(pg_collection)
         return mapping

@@ -1,27 +1,21 @@
-"""CPU twins of the Transformer-Engine modules in Megatron-Bridge's Gemma 4 MoE layer spec.
+"""CPU twins of the Transformer-Engine modules of the Gemma 4 layer spec (:mod:`vime_gemma4_bridge.core.spec`).
 
-Upstream's Gemma 4 MoE spec (``megatron.bridge.models.gemma.modeling_gemma4._gemma4_block_spec``)
-is TE-only: its parameter names come from TE modules (``linear_qkv.layer_norm_weight``,
-``linear_proj.post_layernorm.weight``, ``experts.linear_fc1.weight<K>``) and its core attention
-subclasses ``TEDotProductAttention``. The classes here are megatron-core modules that keep
-exactly those parameter names, shapes, TP/EP partitioning and torch_dist keys, and compute what
-Hugging Face's Gemma 4 computes, so one checkpoint and one mapping table serve both hosts.
+With TE, the spec's parameter names come from TE modules (``linear_qkv.layer_norm_weight``,
+``linear_proj.post_layernorm.weight``, ``experts.linear_fc1.weight<K>``). The classes here are
+megatron-core modules that keep exactly those parameter names, shapes, TP/EP partitioning and
+torch_dist keys, and compute what Hugging Face's Gemma 4 computes, so one checkpoint and one
+mapping table serve both hosts.
 
-Each twin is named after the TE class it stands in for, minus the ``TE`` prefix, and registered
-with Megatron-Bridge's ``AutoMapping`` so the bridge picks the same parallel mapping for both.
+Each twin is named after the TE class it stands in for, minus the ``TE`` prefix; the bridge
+registers each name with Megatron-Bridge's ``AutoMapping`` so it picks the same parallel mapping.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-from collections.abc import Iterator
 
 import torch
-from megatron.bridge.models.conversion.param_mapping import AutoMapping
-from megatron.bridge.models.gemma.gemma3_provider import Gemma3LanguageModelEmbedding
-from megatron.bridge.models.gemma.modeling_gemma4 import Gemma4RMSNorm, _gemma4_rms_norm
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -34,7 +28,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import Tensor, nn
 
-from vime_gemma4_bridge.layer_pattern import is_sliding_layer
+from vime_gemma4_bridge.compat.cuda import host_cuda_device
+from vime_gemma4_bridge.core.layer_pattern import is_sliding_layer
+from vime_gemma4_bridge.core.model import Gemma4RMSNorm, rms_norm
 
 
 class LayerNormColumnParallelLinear(ColumnParallelLinear):
@@ -52,11 +48,11 @@ class LayerNormColumnParallelLinear(ColumnParallelLinear):
         self.layer_norm_weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, input_: Tensor, **kwargs) -> tuple[Tensor, Tensor | None]:
-        return super().forward(_gemma4_rms_norm(input_, self.layer_norm_weight, self.eps), **kwargs)
+        return super().forward(rms_norm(input_, self.layer_norm_weight, self.eps), **kwargs)
 
 
 class RowParallelLinearLayerNorm(RowParallelLinear):
-    """Twin of Megatron-Bridge's ``TERowParallelLinearLayerNorm``: row-parallel linear, then post-norm.
+    """Twin of :class:`~vime_gemma4_bridge.core.te_modules.TERowParallelLinearLayerNorm`: linear, then post-norm.
 
     Gemma 4 normalises the attention output before the residual add; TE keeps that norm inside
     ``linear_proj`` as ``post_layernorm``, and so does this twin.
@@ -152,10 +148,10 @@ class HostDotProductAttention(DotProductAttention):
 
 
 class Gemma4DotProductAttention(HostDotProductAttention):
-    """Twin of ``Gemma4TEDotProductAttention``: causal attention, sliding window on sliding layers.
+    """Twin of :class:`~vime_gemma4_bridge.core.te_modules.Gemma4TEDotProductAttention`: windowed on sliding layers.
 
     Megatron-core's local attention reads the window from the config; Gemma 4 decides it per
-    layer from ``layer_types`` (see :mod:`vime_gemma4_bridge.layer_pattern`), so each layer gets a
+    layer from ``layer_types`` (see :mod:`vime_gemma4_bridge.core.layer_pattern`), so each layer gets a
     config copy with the HF window ``sliding_window`` expressed as Megatron's ``(W - 1, 0)``
     (a query sees itself and the ``W - 1`` tokens before it, as in transformers). Softmax scale
     1.0 comes from the provider (Gemma 4 normalises q and k instead of scaling).
@@ -171,46 +167,6 @@ class Gemma4DotProductAttention(HostDotProductAttention):
         kwargs.pop("cp_comm_type", None)
         super().__init__(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type, **kwargs)
         self._take_over_masking()
-
-
-class Gemma4LanguageModelEmbedding(Gemma3LanguageModelEmbedding):
-    """Token embedding times ``sqrt(hidden_size)`` rounded to the embedding dtype, as transformers does.
-
-    Upstream (``Gemma3LanguageModelEmbedding``) multiplies by the exact Python float; transformers'
-    ``Gemma4TextScaledWordEmbedding`` multiplies by the scale cast to the weight dtype (bf16:
-    sqrt(2816) = 53.07 becomes 53.0). Identical in float32 and wherever the root is exact.
-    """
-
-    def forward(self, input_ids: Tensor, position_ids: Tensor, tokentype_ids: int | None = None) -> Tensor:
-        embeddings = super(Gemma3LanguageModelEmbedding, self).forward(input_ids, position_ids, tokentype_ids)
-        return embeddings * rounded_embedding_scale(self.config.hidden_size, self.word_embeddings.weight.dtype)
-
-
-def rounded_embedding_scale(hidden_size: int, dtype: torch.dtype) -> float:
-    """``sqrt(hidden_size)`` as transformers' Gemma 4 applies it: a float32 scalar cast to ``dtype``."""
-    return float(torch.tensor(hidden_size**0.5, dtype=torch.float32).to(dtype))
-
-
-@contextlib.contextmanager
-def host_cuda_device() -> Iterator[None]:
-    """While active on a host without CUDA, ``torch.cuda.current_device()`` answers the CPU.
-
-    megatron-core's forward path allocates on ``torch.cuda.current_device()`` in many places that
-    take no device argument: TP/EP gathers and reduce-scatters (``tensor_parallel.mappings``, used
-    by the MoE token dispatcher), the global memory buffer, RoPE (``inv_freq`` moved on first use)
-    and the MoE router (its weight moved on first use). Without a driver each of them raises;
-    pointing them at the CPU makes the same computation run there, over gloo. Where CUDA exists
-    this does nothing.
-    """
-    if torch.cuda.is_available():
-        yield
-        return
-    original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = original  # type: ignore[assignment]
 
 
 def prepare_host_forward(model: nn.Module) -> nn.Module:
@@ -345,11 +301,3 @@ class RowParallelGroupedLinear(_GroupedLinear):
     """Twin of ``TERowParallelGroupedLinear`` (experts' ``linear_fc2``: input split over ETP)."""
 
     partition_dim = 1
-
-
-for _name in ("ColumnParallelGroupedLinear",):
-    AutoMapping.register_module_type(_name, "column")
-for _name in ("RowParallelGroupedLinear", "RowParallelLinearLayerNorm"):
-    AutoMapping.register_module_type(_name, "row")
-AutoMapping.register_module_type("Gemma4RMSNorm", "replicated")
-AutoMapping.register_module_type("Gemma4DotProductAttention", "replicated")

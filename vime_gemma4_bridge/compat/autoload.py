@@ -6,6 +6,11 @@ wrapped so that its first use registers the Gemma 4 bridges and then steps aside
 first use rather than at import time keeps every import order working: the plugin's own modules
 import ``megatron.bridge``, so registering in the middle of that import would be circular.
 
+Fail safe: if registering raises (an import the plugin needs is missing on this build, say), the
+error is logged, every other architecture dispatches as before, and a Gemma 4 look-up raises
+:class:`PluginUnavailable` with that error in one line: a failure of the plugin never breaks
+Megatron-Bridge for other models, and is never swallowed either.
+
 Drop-in for vime: the distribution installs ``vime_gemma4_bridge_autoload.pth`` into
 site-packages. When the environment variable ``VIME_GEMMA4_BRIDGE_AUTOLOAD=1`` is set, every
 Python process (the vime actor included) imports this package at start-up, so a launch with
@@ -17,8 +22,9 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from types import ModuleType
 
 ENV_VAR = "VIME_GEMMA4_BRIDGE_AUTOLOAD"
@@ -61,19 +67,51 @@ class _AfterImportFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+class PluginUnavailable(RuntimeError):
+    """The plugin is loaded but could not register its bridges; its architectures cannot be converted."""
+
+
+class _RefuseArchitectures:
+    """``get_model_bridge`` after a failed registration: the plugin's architectures raise, others dispatch."""
+
+    def __init__(self, dispatcher: object, architectures: Collection[str], message: str) -> None:
+        self._dispatcher = dispatcher
+        self._architectures = frozenset(architectures)
+        self._message = message
+
+    def __call__(self, hf_architecture: object, *args, **kwargs):
+        if getattr(hf_architecture, "__name__", hf_architecture) in self._architectures:
+            raise PluginUnavailable(self._message)
+        return self._dispatcher(hf_architecture, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._dispatcher, name)
+
+
 class _RegisterOnFirstUse:
     """Stands in for ``model_bridge.get_model_bridge`` until its first call or attribute access."""
 
-    def __init__(self, module: ModuleType, dispatcher: object, register: Callable[[], None]) -> None:
+    def __init__(
+        self, module: ModuleType, dispatcher: object, register: Callable[[], None], architectures: Collection[str]
+    ) -> None:
         self._module = module
         self._dispatcher = dispatcher
         self._register = register
+        self._architectures = architectures
 
     def _resolve(self) -> object:
         if self._module.get_model_bridge is self:
             self._module.get_model_bridge = self._dispatcher  # restore first: registration uses it
-            self._register()
-        return self._dispatcher
+            try:
+                self._register()
+            except Exception as error:  # noqa: BLE001 (any failure: other models must keep working)
+                message = (
+                    f"vime-gemma4-bridge could not register its Gemma 4 bridges: {type(error).__name__}: {error} "
+                    f"(unset {ENV_VAR} to leave Gemma 4 to this Megatron-Bridge build's own bridge)"
+                )
+                logging.getLogger("vime_gemma4_bridge").error(message)
+                self._module.get_model_bridge = _RefuseArchitectures(self._dispatcher, self._architectures, message)
+        return self._module.get_model_bridge
 
     def __call__(self, *args, **kwargs):
         return self._resolve()(*args, **kwargs)
@@ -82,15 +120,18 @@ class _RegisterOnFirstUse:
         return getattr(self._resolve(), name)
 
 
-def register_before_first_dispatch(register: Callable[[], None]) -> None:
-    """Arrange for ``register`` to run before Megatron-Bridge's first bridge lookup (idempotent)."""
+def register_before_first_dispatch(register: Callable[[], None], architectures: Collection[str]) -> None:
+    """Arrange for ``register`` to run before Megatron-Bridge's first bridge lookup (idempotent).
+
+    ``architectures`` are the HF class names ``register`` serves: the ones refused if it fails.
+    """
 
     def install() -> None:
         from megatron.bridge.models.conversion import model_bridge
 
         current = model_bridge.get_model_bridge
-        if not isinstance(current, _RegisterOnFirstUse):
-            model_bridge.get_model_bridge = _RegisterOnFirstUse(model_bridge, current, register)
+        if not isinstance(current, _RegisterOnFirstUse | _RefuseArchitectures):
+            model_bridge.get_model_bridge = _RegisterOnFirstUse(model_bridge, current, register, architectures)
 
     call_when_megatron_bridge_imported(install)
 

@@ -1,0 +1,125 @@
+"""vime's bridge-mode weight sync, step by step, as a test double (behaviour from vime's sources; no vime code).
+
+What vime does at every weight sync with ``--megatron-to-hf-mode bridge`` (vllm-project/vime,
+``update_weight/hf_weight_iterator_bridge.py``, ``update_weight/common.py``, ``utils/misc.py``,
+``update_weight/update_weight_from_disk.py``), reproduced so the plugin can be driven exactly that way:
+
+1. ``AutoBridge.from_hf_pretrained(hf_checkpoint, trust_remote_code=True)``;
+2. a weight dict of every named parameter and, of the buffers, only those whose name contains
+   ``expert_bias``, keyed ``vp_stages.{vp}.{name}``;
+3. ``bridge.get_conversion_tasks(model)``; every task with a ``param_weight`` replaced
+   (``dataclasses.replace``) by the dict's tensor, which must be there (an ``assert``), lazily, behind
+   a wrapper that has ``__len__`` and ``__iter__`` but is not a list;
+4. ``for hf_name, weight, megatron_name in bridge.export_hf_weights(model, cpu=False, conversion_tasks=...)``;
+5. chunks: a bucket is closed when its size plus the next tensor's would reach the buffer size (``>=``);
+6. disk transport on rank 0: each chunk one ``model-XXXXX.safetensors`` (a name seen twice is an
+   error), renamed to the ``-of-`` form, an index written atomically, the non-weight files copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def weight_dict(model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """vime's ``named_params_and_buffers(..., convert_to_global_name=False)``: parameters + ``expert_bias`` buffers."""
+    weights: dict[str, torch.Tensor] = {}
+    for vp_stage, chunk in enumerate(model):
+        for name, param in chunk.named_parameters():
+            weights[f"vp_stages.{vp_stage}.{name.removeprefix('module.')}"] = param
+        for name, buffer in chunk.named_buffers():
+            if "expert_bias" in name:
+                weights[f"vp_stages.{vp_stage}.{name.removeprefix('module.')}"] = buffer
+    return weights
+
+
+class LazyTasks:
+    """vime's lazy task wrapper: ``__len__`` and ``__iter__``, each task mapped when iterated."""
+
+    def __init__(self, fn: Callable[[Any], Any], tasks: list) -> None:
+        self.fn = fn
+        self.tasks = tasks
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __iter__(self) -> Iterator[Any]:
+        for task in self.tasks:
+            yield self.fn(task)
+
+
+def replace_task_weights(tasks: list, weights: dict[str, torch.Tensor]) -> LazyTasks:
+    def replace(task: Any) -> Any:
+        if task is None or task.param_weight is None:
+            return task
+        key = f"vp_stages.{task.vp_stage}.{task.param_name}"
+        assert key in weights, f"{key=} not in the weight dict (vp_stage={task.vp_stage}, {task.param_name=})"
+        return dataclasses.replace(task, param_weight=weights[key].to(task.param_weight.device))
+
+    return LazyTasks(replace, tasks)
+
+
+def chunks(named: Iterable[tuple[str, torch.Tensor]], size: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """vime's ``chunk_named_params_by_size``: close a bucket when it would reach ``size``."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    total = 0
+    for item in named:
+        nbytes = item[1].nbytes
+        if bucket and total + nbytes >= size:
+            yield bucket
+            bucket, total = [], 0
+        bucket.append(item)
+        total += nbytes
+    if bucket:
+        yield bucket
+
+
+def sync_weights(bridge: Any, model: list[torch.nn.Module], buffer_size: int) -> Iterator[list]:
+    """One weight sync, steps 2-5: the chunks every rank produces."""
+    tasks = replace_task_weights(bridge.get_conversion_tasks(model), weight_dict(model))
+
+    def named() -> Iterator[tuple[str, torch.Tensor]]:
+        for hf_name, weight, megatron_name in bridge.export_hf_weights(model, cpu=False, conversion_tasks=tasks):
+            assert isinstance(megatron_name, str) and megatron_name, f"{hf_name}: no megatron_param_name"
+            yield hf_name, weight
+
+    yield from chunks(named(), buffer_size)
+
+
+def write_disk_update(chunk_stream: Iterable[list[tuple[str, torch.Tensor]]], hf_checkpoint: str, out: Path) -> int:
+    """Step 6 on rank 0: the disk transport's directory; returns the number of tensors written."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    seen: set[str] = set()
+    files: list[tuple[str, list[str]]] = []
+    for index, chunk in enumerate(chunk_stream, start=1):
+        names = [name for name, _ in chunk]
+        duplicated = seen.intersection(names)
+        if duplicated or len(set(names)) != len(names):
+            raise ValueError(f"duplicate tensor in the weight update: {sorted(duplicated) or names}")
+        seen.update(names)
+        name = f"model-{index:05d}.safetensors"
+        save_file({n: t.detach().cpu().contiguous() for n, t in chunk}, out / name, metadata={"format": "pt"})
+        files.append((name, names))
+    weight_map = {}
+    for index, (name, names) in enumerate(files, start=1):
+        final = f"model-{index:05d}-of-{len(files):05d}.safetensors"
+        (out / name).rename(out / final)
+        weight_map.update(dict.fromkeys(names, final))
+    tmp = out / "model.safetensors.index.json.tmp"
+    tmp.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    os.replace(tmp, out / "model.safetensors.index.json")
+    for source in Path(hf_checkpoint).iterdir():
+        weights = source.name.endswith(".safetensors") or source.name == "model.safetensors.index.json"
+        if source.is_file() and not weights:
+            shutil.copy2(source, out / source.name)
+    return len(seen)

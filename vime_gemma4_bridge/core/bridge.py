@@ -1,0 +1,409 @@
+"""The Gemma 4 language-model bridge: mapping tables, provider hook, registration.
+
+A Megatron-Bridge per-model bridge: one ``MegatronModelBridge`` subclass, a provider hook and
+declarative mapping tables; every TP/PP/EP/ETP gather and scatter is Megatron-Bridge's (its mapping
+classes and conversion tasks). What is Gemma 4's own (each a gap listed in docs/UPSTREAM.md):
+
+* one bridge for ``Gemma4ForCausalLM`` (HF names under ``model.``) and for the language model of
+  ``Gemma4ForConditionalGeneration`` (under ``model.language_model.``): the vision/audio towers
+  never enter Megatron, and the export streams exactly the HF language-model tensors;
+* the MoE model is this plugin's (:mod:`~vime_gemma4_bridge.core.provider`), with or without TE;
+  the dense model is the installed build's, where it has one (:mod:`~vime_gemma4_bridge.core.dense`);
+* attention_k_eq_v: full layers have no ``v_proj`` in HF (V = K on import, dropped on export);
+* Megatron weights in the checkpoint's own dtype (a bf16 copy of an fp32 checkpoint is lossy);
+* refusals instead of silent skips: a Megatron parameter without a mapping, a persistent buffer
+  that is a conversion task (vime's weight sync reads parameters only), tied copies that diverged.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import transformers
+from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge, register_bridge_implementation
+from megatron.bridge.models.conversion.param_mapping import (
+    AutoMapping as UpstreamAutoMapping,
+)
+from megatron.bridge.models.conversion.param_mapping import (
+    FusedExpertMapping,
+    FusedGatedExpertMapping,
+    GatedMLPMapping,
+    QKVMapping,
+)
+from megatron.bridge.models.conversion.utils import persistent_buffers
+from megatron.core.models.gpt.gpt_model import GPTModel
+
+from vime_gemma4_bridge.compat import seams
+from vime_gemma4_bridge.compat.mappings import AutoMapping, ReplicatedMapping
+from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX
+from vime_gemma4_bridge.core.layer_pattern import FULL, SLIDING, pattern_from_layer_types
+from vime_gemma4_bridge.core.provider import Gemma4TextModelProvider
+from vime_gemma4_bridge.core.tied import check_tied_embeddings
+
+
+class Gemma4QKVMapping(QKVMapping):
+    """Fused QKV ↔ HF q/k/v, for HF layers without ``v_proj`` (k_eq_v) or without k/v (dense KV sharing).
+
+    The bridge's hooks supply the absent projections on import and drop them on export.
+    """
+
+    def __init__(self, megatron_param: str, q: str, k: str, v: str) -> None:
+        super().__init__(megatron_param, q=q, k=k, v=v)
+        self.allow_hf_name_mismatch = True
+
+
+MappingTable = tuple[tuple[type, str, str | dict[str, str]], ...]
+
+# ---------------------------------------------------------------------------------------------
+# The MoE model. Megatron names are relative to the GPTModel; HF names to the language-model
+# prefix; ``*`` is the layer index. A dict HF side fuses several HF tensors into one Megatron
+# tensor. Tied embeddings: ``lm_head`` / ``output_layer`` appear nowhere on purpose (core/tied.py).
+# ---------------------------------------------------------------------------------------------
+MOE_MAPPING_TABLE: MappingTable = (
+    (AutoMapping, "embedding.word_embeddings.weight", "embed_tokens.weight"),
+    (AutoMapping, "decoder.final_layernorm.weight", "norm.weight"),
+    # attention (sliding and full layers share names; shapes differ per layer type)
+    (AutoMapping, "decoder.layers.*.self_attention.linear_qkv.layer_norm_weight", "layers.*.input_layernorm.weight"),
+    (
+        Gemma4QKVMapping,
+        "decoder.layers.*.self_attention.linear_qkv.weight",
+        {
+            "q": "layers.*.self_attn.q_proj.weight",
+            "k": "layers.*.self_attn.k_proj.weight",
+            "v": "layers.*.self_attn.v_proj.weight",
+        },
+    ),
+    (AutoMapping, "decoder.layers.*.self_attention.q_layernorm.weight", "layers.*.self_attn.q_norm.weight"),
+    (AutoMapping, "decoder.layers.*.self_attention.k_layernorm.weight", "layers.*.self_attn.k_norm.weight"),
+    (AutoMapping, "decoder.layers.*.self_attention.linear_proj.weight", "layers.*.self_attn.o_proj.weight"),
+    (
+        AutoMapping,
+        "decoder.layers.*.self_attention.linear_proj.post_layernorm.weight",
+        "layers.*.post_attention_layernorm.weight",
+    ),
+    # feed-forward: dense MLP ("shared expert") beside the routed experts, each with its norms
+    (
+        ReplicatedMapping,
+        "decoder.layers.*.pre_shared_expert_layernorm.weight",
+        "layers.*.pre_feedforward_layernorm.weight",
+    ),
+    (
+        GatedMLPMapping,
+        "decoder.layers.*.mlp.shared_experts.linear_fc1.weight",
+        {"gate": "layers.*.mlp.gate_proj.weight", "up": "layers.*.mlp.up_proj.weight"},
+    ),
+    (AutoMapping, "decoder.layers.*.mlp.shared_experts.linear_fc2.weight", "layers.*.mlp.down_proj.weight"),
+    (
+        AutoMapping,
+        "decoder.layers.*.mlp.post_shared_expert_layernorm.weight",
+        "layers.*.post_feedforward_layernorm_1.weight",
+    ),
+    (AutoMapping, "decoder.layers.*.pre_mlp_layernorm.weight", "layers.*.pre_feedforward_layernorm_2.weight"),
+    (AutoMapping, "decoder.layers.*.mlp.router.weight", "layers.*.router.proj.weight"),
+    (ReplicatedMapping, "decoder.layers.*.mlp.router.scale", "layers.*.router.scale"),
+    (ReplicatedMapping, "decoder.layers.*.mlp.router.per_expert_scale", "layers.*.router.per_expert_scale"),
+    # routed experts: one Megatron tensor per expert <-> one stacked HF tensor [E, ...]
+    (FusedGatedExpertMapping, "decoder.layers.*.mlp.experts.linear_fc1.weight*", "layers.*.experts.gate_up_proj"),
+    (FusedExpertMapping, "decoder.layers.*.mlp.experts.linear_fc2.weight*", "layers.*.experts.down_proj"),
+    (
+        ReplicatedMapping,
+        "decoder.layers.*.mlp.post_moe_layernorm.weight",
+        "layers.*.post_feedforward_layernorm_2.weight",
+    ),
+    (ReplicatedMapping, "decoder.layers.*.post_ffn_layernorm.weight", "layers.*.post_feedforward_layernorm.weight"),
+    (ReplicatedMapping, "decoder.layers.*.layer_scalar", "layers.*.layer_scalar"),
+)
+
+
+# The dense model (E2B/E4B/31B style): Megatron-Bridge's dense Gemma 4 layout, same conventions.
+DENSE_MAPPING_TABLE: MappingTable = (
+    (AutoMapping, "embedding.word_embeddings.weight", "embed_tokens.weight"),
+    (AutoMapping, "decoder.final_layernorm.weight", "norm.weight"),
+    # per-layer embeddings (PLE)
+    (AutoMapping, "per_layer_embedding.weight", "embed_tokens_per_layer.weight"),
+    (AutoMapping, "per_layer_model_proj.weight", "per_layer_model_projection.weight"),
+    (ReplicatedMapping, "per_layer_proj_norm.weight", "per_layer_projection_norm.weight"),
+    (ReplicatedMapping, "decoder.layers.*.per_layer_input_gate.weight", "layers.*.per_layer_input_gate.weight"),
+    (ReplicatedMapping, "decoder.layers.*.per_layer_projection.weight", "layers.*.per_layer_projection.weight"),
+    (
+        ReplicatedMapping,
+        "decoder.layers.*.post_per_layer_input_norm.weight",
+        "layers.*.post_per_layer_input_norm.weight",
+    ),
+    # attention: kv-shared layers have no k/v projections in HF
+    (AutoMapping, "decoder.layers.*.input_layernorm.weight", "layers.*.input_layernorm.weight"),
+    (
+        Gemma4QKVMapping,
+        "decoder.layers.*.self_attention.linear_qkv.weight",
+        {
+            "q": "layers.*.self_attn.q_proj.weight",
+            "k": "layers.*.self_attn.k_proj.weight",
+            "v": "layers.*.self_attn.v_proj.weight",
+        },
+    ),
+    (AutoMapping, "decoder.layers.*.self_attention.q_layernorm.weight", "layers.*.self_attn.q_norm.weight"),
+    (AutoMapping, "decoder.layers.*.self_attention.k_layernorm.weight", "layers.*.self_attn.k_norm.weight"),
+    (AutoMapping, "decoder.layers.*.self_attention.linear_proj.weight", "layers.*.self_attn.o_proj.weight"),
+    (AutoMapping, "decoder.layers.*.post_self_attn_layernorm.weight", "layers.*.post_attention_layernorm.weight"),
+    # MLP
+    (AutoMapping, "decoder.layers.*.pre_mlp_layernorm.weight", "layers.*.pre_feedforward_layernorm.weight"),
+    (
+        GatedMLPMapping,
+        "decoder.layers.*.mlp.linear_fc1.weight",
+        {"gate": "layers.*.mlp.gate_proj.weight", "up": "layers.*.mlp.up_proj.weight"},
+    ),
+    (AutoMapping, "decoder.layers.*.mlp.linear_fc2.weight", "layers.*.mlp.down_proj.weight"),
+    (AutoMapping, "decoder.layers.*.post_mlp_layernorm.weight", "layers.*.post_feedforward_layernorm.weight"),
+    (ReplicatedMapping, "decoder.layers.*.layer_scalar", "layers.*.layer_scalar"),
+)
+
+#: How Megatron-Bridge's ``AutoMapping`` splits each of our module classes (by class name, as it looks them up).
+MODULE_PARALLELISM = {
+    "Gemma4RMSNorm": "replicated",
+    "Gemma4TopKRouter": "replicated",
+    "Gemma4OutputLayer": "column",
+    "ColumnParallelGroupedLinear": "column",  # CPU twin of TEColumnParallelGroupedLinear
+    "RowParallelGroupedLinear": "row",  # CPU twin of TERowParallelGroupedLinear
+    "RowParallelLinearLayerNorm": "row",  # CPU twin of TERowParallelLinearLayerNorm
+    "TERowParallelLinearLayerNorm": "row",
+}
+
+
+def build_registry(table: Iterable[tuple[type, str, str | dict[str, str]]], hf_prefix: str) -> MegatronMappingRegistry:
+    """Instantiate a mapping table for one HF class (prefix)."""
+    mappings = []
+    for mapping_cls, megatron_name, hf in table:
+        if isinstance(hf, dict):
+            mappings.append(mapping_cls(megatron_name, **{role: hf_prefix + name for role, name in hf.items()}))
+        else:
+            mappings.append(mapping_cls(megatron_param=megatron_name, hf_param=hf_prefix + hf))
+    return MegatronMappingRegistry(*mappings)
+
+
+class UnsupportedCheckpoint(ValueError):
+    """The checkpoint is Gemma 4, but not one this plugin (on this Megatron-Bridge build) can convert."""
+
+
+class Gemma4LanguageModelBridge(MegatronModelBridge):
+    """Gemma 4 language-model bridge (MoE and dense) for the CausalLM and the VL checkpoint."""
+
+    def _architecture(self) -> str:
+        architectures = getattr(self.hf_config, "architectures", None) or []
+        for architecture in architectures:
+            if architecture in LANGUAGE_MODEL_PREFIX:
+                return architecture
+        raise UnsupportedCheckpoint(f"not a Gemma 4 checkpoint: architectures={architectures}")
+
+    def _text_config(self) -> Any:
+        return getattr(self.hf_config, "text_config", None) or self.hf_config
+
+    def _is_dense(self) -> bool:
+        return not getattr(self._text_config(), "enable_moe_block", False)
+
+    def provider_bridge(self, hf_pretrained: Any) -> Any:
+        self.hf_config = hf_pretrained.config
+        text = self._text_config()
+        provider = dense_provider(text) if self._is_dense() else moe_provider(text)
+        # Keep the checkpoint's dtype: a bf16 copy of an fp32 checkpoint cannot round-trip bitwise.
+        dtype = _config_dtype(text) or _config_dtype(self.hf_config) or torch.float32
+        provider.params_dtype = dtype
+        provider.bf16 = dtype == torch.bfloat16
+        provider.fp16 = dtype == torch.float16
+        provider.autocast_dtype = dtype
+        provider.pipeline_dtype = dtype
+        return provider
+
+    def mapping_registry(self) -> MegatronMappingRegistry:
+        table = DENSE_MAPPING_TABLE if self._is_dense() else MOE_MAPPING_TABLE
+        return build_registry(table, LANGUAGE_MODEL_PREFIX[self._architecture()])
+
+    def build_conversion_tasks(self, hf_pretrained: Any, megatron_model: list, weight_dtype: Any = None) -> list:
+        """Megatron-Bridge's tasks, refusing what upstream would skip with a warning or let through."""
+        tasks = super().build_conversion_tasks(
+            hf_pretrained, megatron_model, **seams.conversion_task_kwargs(weight_dtype)
+        )
+        check_conversion_tasks(tasks, megatron_model, self._unwrap_name)
+        return tasks
+
+    def maybe_modify_loaded_hf_weight(self, hf_param: str | dict[str, str], hf_state_dict: Any) -> Any:
+        """Supply the projections HF leaves out: V = K on k_eq_v full layers, zero K/V on KV-shared layers."""
+        if not isinstance(hf_param, dict) or set(hf_param) != {"q", "k", "v"}:
+            return super().maybe_modify_loaded_hf_weight(hf_param, hf_state_dict)
+        absent = {role for role, name in hf_param.items() if self._absent_in_hf(name)}
+        weights = {role: hf_state_dict[name] for role, name in hf_param.items() if role not in absent}
+        if absent == {"v"}:
+            weights["v"] = weights["k"].clone()
+        elif absent == {"k", "v"}:
+            text = self._text_config()
+            head_dim = weights["q"].shape[0] // text.num_attention_heads
+            kv_heads = global_kv_heads(text) if _layer_type(text, hf_param["q"]) == FULL else text.num_key_value_heads
+            weights["k"] = weights["q"].new_zeros((kv_heads * head_dim, weights["q"].shape[1]))
+            weights["v"] = torch.zeros_like(weights["k"])
+        return weights
+
+    def maybe_modify_converted_hf_weight(self, task: Any, converted_weights_dict: dict, hf_state_dict: Any) -> dict:
+        """Drop the projections that exist only on the Megatron side (see :meth:`maybe_modify_loaded_hf_weight`)."""
+        return {name: tensor for name, tensor in converted_weights_dict.items() if not self._absent_in_hf(name)}
+
+    def _absent_in_hf(self, hf_name: str) -> bool:
+        """Whether the HF checkpoint has no such k/v projection (the config says so; no file is read)."""
+        match = re.search(r"layers\.(\d+)\.self_attn\.([kv])_proj\.weight$", hf_name)
+        if match is None:
+            return False
+        text = self._text_config()
+        layer, projection = int(match.group(1)), match.group(2)
+        shared = int(getattr(text, "num_kv_shared_layers", 0) or 0)
+        if shared and layer >= text.num_hidden_layers - shared:
+            return True
+        return projection == "v" and bool(getattr(text, "attention_k_eq_v", False)) and text.layer_types[layer] == FULL
+
+    def stream_weights_megatron_to_hf(self, megatron_model: Any, hf_pretrained: Any, *args: Any, **kwargs: Any):
+        """Upstream export, after proving the tied output layer still equals the embedding."""
+        check_tied_embeddings(megatron_model)
+        yield from super().stream_weights_megatron_to_hf(megatron_model, hf_pretrained, *args, **kwargs)
+
+
+class IncompleteMapping(ValueError):
+    """A Megatron weight the export would drop, or one vime's weight sync could not find."""
+
+
+def check_conversion_tasks(tasks: list, megatron_model: list, unwrap_name: Any) -> None:
+    """Every parameter has a task (tied ``output_layer`` aside); no persistent buffer is one.
+
+    Megatron-Bridge only logs a parameter it cannot map (0.6.2 then fails on the empty task slot,
+    the fork skips it: the export silently lacks that weight). A persistent buffer that is a task
+    breaks vime's weight sync, which looks every task's weight up among the model's parameters
+    (and ``expert_bias`` buffers) and asserts it is there.
+    """
+    mapped = {task.param_name for task in tasks if task is not None and task.megatron_module is not None}
+    for model in megatron_model:
+        for raw_name, _ in model.named_parameters():
+            name = unwrap_name(raw_name)
+            if name not in mapped and "output_layer" not in name:  # output_layer: tied to the embedding
+                raise IncompleteMapping(f"Megatron parameter {name!r} has no Gemma 4 mapping; the export would drop it")
+        for raw_name, _ in persistent_buffers(model):
+            name = unwrap_name(raw_name)
+            if name in mapped and "expert_bias" not in name:
+                raise IncompleteMapping(
+                    f"persistent buffer {name!r} is a conversion task; vime's weight sync reads parameters only "
+                    "(make it a frozen parameter)"
+                )
+
+
+def moe_provider(text: Any) -> Gemma4TextModelProvider:
+    """The MoE provider for a Gemma 4 text config (HF names on the right)."""
+    rope = getattr(text, "rope_parameters", None) or {}
+    full, sliding = rope.get(FULL) or {}, rope.get(SLIDING) or {}
+    for layer_type, params, expected in ((FULL, full, "proportional"), (SLIDING, sliding, "default")):
+        if params.get("rope_type", expected) != expected or params.get("factor", 1.0) != 1.0:
+            raise UnsupportedCheckpoint(
+                f"Gemma 4 {layer_type} RoPE {params} is not supported (expected rope_type={expected!r}, no factor)"
+            )
+    return Gemma4TextModelProvider(
+        num_layers=text.num_hidden_layers,
+        hidden_size=text.hidden_size,
+        ffn_hidden_size=text.intermediate_size,
+        num_attention_heads=text.num_attention_heads,
+        num_query_groups=text.num_key_value_heads,
+        kv_channels=text.head_dim,
+        layernorm_epsilon=text.rms_norm_eps,
+        vocab_size=text.vocab_size,
+        make_vocab_size_divisible_by=128,
+        seq_length=text.max_position_embeddings,
+        init_method_std=text.initializer_range,
+        share_embeddings_and_output_weights=bool(getattr(text, "tie_word_embeddings", True)),
+        layer_types=pattern_from_layer_types(text.layer_types),
+        window_size=text.sliding_window,
+        global_head_dim=text.global_head_dim or text.head_dim,
+        num_global_key_value_heads=global_kv_heads(text),
+        attention_k_eq_v=bool(getattr(text, "attention_k_eq_v", False)),
+        global_rotary_percent=float(full.get("partial_rotary_factor", 1.0)),
+        rotary_base=float(full.get("rope_theta", 1_000_000.0)),
+        local_rotary_base=float(sliding.get("rope_theta", 10_000.0)),
+        final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
+        num_moe_experts=text.num_experts,
+        moe_router_topk=text.top_k_experts,
+        moe_ffn_hidden_size=text.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=text.intermediate_size,
+    )
+
+
+def dense_provider(text: Any) -> Any:
+    """The installed Megatron-Bridge's dense Gemma 4 provider, adjusted; refused where the build has none."""
+    try:
+        from vime_gemma4_bridge.core.dense import Gemma4DenseTextModelProvider, build_dense_provider
+    except ImportError as error:
+        raise UnsupportedCheckpoint(
+            "dense Gemma 4 needs Megatron-Bridge's Gemma4DenseProvider, which this Megatron-Bridge build lacks "
+            f"({error}); the MoE models (e.g. 26B-A4B) do not need it"
+        ) from None
+    upstream = build_dense_provider(text)
+    provider = Gemma4DenseTextModelProvider(
+        **{name: getattr(upstream, name) for name in upstream.__dataclass_fields__ if name != "transformer_layer_spec"}
+    )
+    # Upstream pads the vocab to a multiple (default 128) while its embedding mapping copies the
+    # HF table unpadded; a divisor of the vocab means no padding.
+    provider.make_vocab_size_divisible_by = min(128, text.vocab_size & -text.vocab_size)  # largest power of 2
+    provider.num_global_query_groups = global_kv_heads(text)
+    return provider
+
+
+def global_kv_heads(text: Any) -> int:
+    """KV heads of full-attention layers, as transformers builds them.
+
+    ``num_global_key_value_heads`` applies only with ``attention_k_eq_v`` (transformers'
+    ``use_alternative_attention``); otherwise full layers keep ``num_key_value_heads``.
+    """
+    if getattr(text, "attention_k_eq_v", False) and getattr(text, "num_global_key_value_heads", None):
+        return int(text.num_global_key_value_heads)
+    return int(text.num_key_value_heads)
+
+
+def _layer_type(text: Any, hf_name: str) -> str:
+    return text.layer_types[int(re.search(r"layers\.(\d+)\.", hf_name).group(1))]
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    """The checkpoint dtype a HF config declares (VL configs declare it at the top level only)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+class Gemma4CausalLMBridge(Gemma4LanguageModelBridge):
+    """Registered for ``Gemma4ForCausalLM``."""
+
+
+class Gemma4ConditionalGenerationBridge(Gemma4LanguageModelBridge):
+    """Registered for ``Gemma4ForConditionalGeneration``: its language model only."""
+
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Make ``AutoBridge`` dispatch both Gemma 4 classes to this plugin. Idempotent.
+
+    Registered under the class *name* (as Megatron-Bridge's own Gemma 4 bridges are) and under the
+    transformers class itself, which wins over any name registration whenever that happens: the
+    result does not depend on import order, and upstream's Gemma 4 modules are never imported.
+    """
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    for module_name, parallelism in MODULE_PARALLELISM.items():
+        UpstreamAutoMapping.register_module_type(module_name, parallelism)
+    for bridge_cls, name in (
+        (Gemma4CausalLMBridge, "Gemma4ForCausalLM"),
+        (Gemma4ConditionalGenerationBridge, "Gemma4ForConditionalGeneration"),
+    ):
+        MegatronModelBridge.register_bridge(
+            source=name, target=GPTModel, provider=Gemma4TextModelProvider, model_type="gemma4"
+        )(bridge_cls)
+        register_bridge_implementation(source=getattr(transformers, name), target=GPTModel, bridge_class=bridge_cls)
+    _REGISTERED = True

@@ -1,0 +1,113 @@
+"""``Gemma4TextModelProvider``: the Gemma 4 MoE text model on Megatron-Bridge's generic GPT provider.
+
+Every Gemma 4 setting is a dataclass field (so a ``run_config.yaml`` restores it), the layer spec
+is :func:`vime_gemma4_bridge.core.spec.gemma4_block_spec`, and :meth:`provide` finishes the built
+``GPTModel`` with Gemma 4's RoPE, embedding scale and logit softcapping. The same provider builds
+the TE model on GPU hosts and the CPU twins elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from megatron.bridge.models.gpt_provider import GPTModelProvider
+from megatron.core.activations import fast_gelu
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+from vime_gemma4_bridge.compat.cuda import tensors_stay_on_host
+from vime_gemma4_bridge.compat.te_guard import te_available
+from vime_gemma4_bridge.core.cpu_modules import prepare_host_forward
+from vime_gemma4_bridge.core.model import Gemma4LanguageModelEmbedding, Gemma4OutputLayer, Gemma4RotaryEmbedding
+from vime_gemma4_bridge.core.spec import gemma4_block_spec
+
+
+@dataclass
+class Gemma4TextModelProvider(GPTModelProvider):
+    """Gemma 4 MoE (26B-A4B and its kin): language model only, tied embeddings, sliding/full layers."""
+
+    # Gemma 4's own settings (HF text-config names in the comments).
+    layer_types: list[str] = field(default_factory=list)  # layer_types: sliding_attention / full_attention
+    window_size: Any = 1024  # sliding_window (a token count; each sliding layer turns it into (W - 1, 0))
+    global_head_dim: int = 512  # global_head_dim: head dim of full-attention layers
+    num_global_key_value_heads: int = 2  # KV heads of full layers (num_global_key_value_heads with k_eq_v)
+    attention_k_eq_v: bool = False  # attention_k_eq_v: full layers take V from the K projection
+    global_rotary_percent: float = 0.25  # rope_parameters.full_attention.partial_rotary_factor
+    rotary_base: float = 1_000_000.0  # rope_parameters.full_attention.rope_theta
+    local_rotary_base: float = 10_000.0  # rope_parameters.sliding_attention.rope_theta
+    final_logit_softcapping: float | None = None  # final_logit_softcapping
+
+    # Fixed by the architecture.
+    normalization: str = "RMSNorm"
+    layernorm_epsilon: float = 1e-6
+    gated_linear_unit: bool = True
+    activation_func: Callable = fast_gelu
+    add_bias_linear: bool = False
+    position_embedding_type: str = "rope"
+    share_embeddings_and_output_weights: bool = True
+    qk_layernorm: bool = True
+    softmax_scale: float = 1.0  # q and k are normalised instead of scaled
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    moe_layer_freq: int = 1  # every layer is MoE; its dense MLP is megatron-core's shared expert
+    moe_shared_expert_overlap: bool = False  # the dense MLP reads its own normalised input
+    moe_router_pre_softmax: bool = True  # softmax over all experts, then top-k (as HF)
+    moe_router_dtype: str = "fp32"
+    moe_grouped_gemm: bool = True  # grouped experts (``weight<K>``): the layout the mapping table names
+    moe_aux_loss_coeff: float = 0.001
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_permute_fusion: bool = True
+    transformer_layer_spec: Any = gemma4_block_spec
+
+    def finalize(self) -> None:
+        unsupported = [
+            what
+            for what, on in (
+                ("moe_shared_expert_overlap", self.moe_shared_expert_overlap),
+                ("CUDA graphs", getattr(self, "cuda_graph_impl", "none") != "none"),
+                ("moe_latent_size", bool(getattr(self, "moe_latent_size", None))),
+                ("selective recompute of layernorm", "layernorm" in (getattr(self, "recompute_modules", None) or [])),
+            )
+            if on
+        ]
+        if unsupported:
+            raise ValueError(f"Gemma 4's three-input MoE layer does not support: {', '.join(unsupported)}")
+        if not te_available():
+            # Settings that need TE or CUDA kernels; the values chosen compute the same function.
+            self.moe_permute_fusion = False
+            self.moe_token_dispatcher_type = "allgather"
+            self.gradient_accumulation_fusion = False
+            self.bias_activation_fusion = False
+            self.bias_dropout_fusion = False
+            self.masked_softmax_fusion = False
+            self.apply_rope_fusion = False
+            self.persist_layer_norm = False
+        super().finalize()
+
+    def provide(self, pre_process: bool | None = None, post_process: bool | None = None, vp_stage: int | None = None):
+        with tensors_stay_on_host():
+            model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        model.rotary_pos_emb = Gemma4RotaryEmbedding(
+            head_dim=self.kv_channels,
+            global_head_dim=self.global_head_dim,
+            local_base=self.local_rotary_base,
+            global_base=self.rotary_base,
+            global_rotary_percent=self.global_rotary_percent,
+            use_cpu_initialization=self.use_cpu_initialization or not torch.cuda.is_available(),
+        )
+        # Same parameters, Gemma 4's forward: swapping the class keeps names, shapes and ties.
+        _become(getattr(model, "embedding", None), LanguageModelEmbedding, Gemma4LanguageModelEmbedding)
+        _become(getattr(model, "output_layer", None), ColumnParallelLinear, Gemma4OutputLayer)
+        return prepare_host_forward(model)
+
+
+def _become(module: torch.nn.Module | None, expected: type, gemma4_class: type) -> None:
+    """Give a just-built module Gemma 4's forward; refuse a class megatron-core did not build before."""
+    if module is None:
+        return
+    if type(module) is not expected:
+        raise TypeError(f"expected megatron-core's {expected.__name__}, got {type(module).__name__}")
+    module.__class__ = gemma4_class

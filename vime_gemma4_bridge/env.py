@@ -1,0 +1,131 @@
+"""``vime-gemma4 env``: what this environment has, which of the plugin's paths are active, and whether they work.
+
+Prints one line per component (torch, megatron-core, Megatron-Bridge with the seams it exposes,
+transformers, Transformer Engine, CUDA) and per plugin path (registration and dispatch, TE or
+CPU modules, export tuple), then ``env OK`` or ``env FAILED: <reason>``. Exit 1 when the plugin
+cannot work here; with ``--vime``, also when vime's bridge-mode weight sync cannot (it unpacks the
+three-field export of vime's Megatron-Bridge fork). The recipes run ``env --vime`` before launching.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def collect(vime: bool) -> tuple[list[tuple[str, str]], list[str]]:
+    """``(rows, problems)``: what to print, and every reason the plugin (or vime's bridge mode) cannot work."""
+    import torch
+
+    from vime_gemma4_bridge.compat import autoload, te_guard
+
+    rows: list[tuple[str, str]] = [
+        ("python", sys.version.split()[0]),
+        ("torch", f"{torch.__version__} (CUDA {'available' if torch.cuda.is_available() else 'not available'})"),
+        ("megatron-core", _version("megatron-core")),
+        ("transformers", _version("transformers")),
+    ]
+    problems: list[str] = []
+    te = te_guard.te_available()
+    rows.append(("Transformer Engine", _version("transformer-engine") if te else "not installed"))
+    rows.append(("modules", "Transformer Engine (GPU)" if te else "CPU twins of the TE modules (same names and keys)"))
+    rows.append(("autoload", f"{autoload.ENV_VAR}={os.environ.get(autoload.ENV_VAR, '') or 'unset'}"))
+    try:
+        from vime_gemma4_bridge.compat import seams
+
+        described = seams.describe()
+    except Exception as error:  # noqa: BLE001 (reported, not raised: this command diagnoses)
+        rows.append(("Megatron-Bridge", f"{_version('megatron-bridge')}: cannot be imported"))
+        return rows, [f"Megatron-Bridge cannot be imported: {type(error).__name__}: {error}"]
+    rows.append(("Megatron-Bridge", f"{_version('megatron-bridge')} ({described['build']}, as its seams tell)"))
+    rows.append(("  export tuple", described["export tuple"]))
+    rows.append(("  build_conversion_tasks weight_dtype", _yes(described["build_conversion_tasks weight_dtype"])))
+    rows.append(("  mappings keep _pg_collection", _yes(described["mappings keep _pg_collection"])))
+    problems += _check("registration", rows, _dispatched_bridges)
+    if te:
+        problems += _check("TE modules", rows, lambda: _imports("vime_gemma4_bridge.core.te_modules"))
+    if described["build"] == "vime fork":
+        rows.append(("vime bridge mode", "ready: export yields (hf_name, tensor, megatron_param_name)"))
+    else:
+        why = "vime's bridge weight sync unpacks three fields; this build's export yields two (install vime's fork)"
+        rows.append(("vime bridge mode", f"not with this build: {why}"))
+        if vime:
+            problems.append(why)
+    return rows, problems
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _imports(module: str) -> str:
+    importlib.import_module(module)
+    return "import"
+
+
+def _dispatched_bridges() -> str:
+    """Register, then ask Megatron-Bridge's dispatcher which bridge each Gemma 4 class gets."""
+    import transformers
+    from megatron.bridge.models.conversion import model_bridge
+
+    import vime_gemma4_bridge
+    from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX
+
+    vime_gemma4_bridge.register()
+    found = {name: type(model_bridge.get_model_bridge(getattr(transformers, name))) for name in LANGUAGE_MODEL_PREFIX}
+    foreign = [
+        f"{name} -> {cls.__module__}.{cls.__name__}"
+        for name, cls in found.items()
+        if "vime_gemma4" not in cls.__module__
+    ]
+    if foreign:
+        raise RuntimeError(f"AutoBridge does not dispatch to the plugin: {', '.join(foreign)}")
+    return ", ".join(f"{name} -> {cls.__name__}" for name, cls in found.items())
+
+
+def _check(what: str, rows: list[tuple[str, str]], probe: Callable[[], str]) -> list[str]:
+    try:
+        rows.append((what, probe()))
+        return []
+    except Exception as error:  # noqa: BLE001 (reported, not raised: this command diagnoses)
+        reason = f"{what}: {type(error).__name__}: {error}"
+        rows.append((what, f"FAILED ({type(error).__name__}: {error})"))
+        return [reason]
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "env",
+        help="versions, active paths, and whether the plugin (and vime's bridge mode) can work here",
+        description=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument(
+        "--vime",
+        action="store_true",
+        help="also require what vime's --megatron-to-hf-mode bridge needs (the fork's three-field export)",
+    )
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    rows, problems = collect(args.vime)
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    if problems:
+        print(f"env FAILED: {problems[0]}" + (f" (and {len(problems) - 1} more above)" if len(problems) > 1 else ""))
+        return 1
+    print("env OK: the plugin works here" + (" and vime's bridge mode can use it" if args.vime else ""))
+    return 0
