@@ -217,8 +217,9 @@ def test_vime_weight_sync_contract(local_world, hf_vl: Path, tmp_path: Path, top
     assert torch.equal(_logits(served, input_ids), _logits(hf_vl, input_ids))
 
 
-def _refusals_job(hf_checkpoint: str) -> list[str]:
-    """What ``get_conversion_tasks`` says of a persistent buffer mapped as a task, and of a dropped mapping."""
+def _refusals_job(hf_checkpoint: str) -> dict:
+    """What ``get_conversion_tasks`` says of a persistent buffer mapped as a task and of a dropped mapping;
+    and the classes the built model is made of."""
     from megatron.bridge import AutoBridge
 
     import vime_gemma4_bridge
@@ -247,11 +248,15 @@ def _refusals_job(hf_checkpoint: str) -> list[str]:
     finally:
         gemma4_bridge.MOE_MAPPING_TABLE = table
     bridge.get_conversion_tasks(model)  # and the model as built passes
-    return errors
+    classes = sorted({f"{type(m).__module__}.{type(m).__name__}" for m in model[0].modules()})
+    return {"errors": errors, "classes": classes}
 
 
 def test_conversion_tasks_refuse_buffers_and_unmapped_parameters(local_world, hf_vl: Path) -> None:
-    errors = local_world(8).run(_refusals_job, str(hf_vl))[0]
+    result = local_world(8).run(_refusals_job, str(hf_vl))[0]
+    assert [c for c in result["classes"] if c.startswith("megatron.bridge.models")] == [], "an upstream model class"
+    assert any(c.endswith("core.model.Gemma4TransformerLayer") for c in result["classes"])
+    errors = result["errors"]
     assert errors == [
         "persistent buffer 'decoder.layers.0.layer_scalar' is a conversion task; vime's weight sync reads "
         "parameters only (make it a frozen parameter)",

@@ -155,3 +155,23 @@ def test_explicit_register_raises_what_prevents_it() -> None:
     )
     assert proc.returncode != 0
     assert "ImportError: simulated: cannot import vime_gemma4_bridge.core.model" in proc.stderr
+
+
+def test_dense_gemma4_is_refused_in_one_line_without_the_builds_dense_provider(tmp_path: Path) -> None:
+    """On a build without Megatron-Bridge's Gemma4DenseProvider (simulated: core/dense.py cannot import)."""
+    from vime_gemma4_bridge.tiny import TinySpec, write_tiny_checkpoint
+
+    dense = write_tiny_checkpoint(tmp_path / "dense", TinySpec(moe=False, seed=2))
+    block = BLOCK_PLUGIN_MODEL.replace("vime_gemma4_bridge.core.model", "vime_gemma4_bridge.core.dense")
+    script = (
+        block + "import vime_gemma4_bridge\nfrom megatron.bridge import AutoBridge\n"
+        f"try:\n    AutoBridge.from_hf_pretrained({str(dense)!r}).to_megatron_provider(load_weights=False)\n"
+        "except Exception as error:\n    print(f'{type(error).__name__}: {error}')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("UnsupportedCheckpoint")]
+    assert line.startswith(
+        "UnsupportedCheckpoint: dense Gemma 4 needs Megatron-Bridge's Gemma4DenseProvider, which this "
+        "Megatron-Bridge build lacks (simulated: cannot import vime_gemma4_bridge.core.dense)"
+    ), line

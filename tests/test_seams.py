@@ -55,3 +55,32 @@ def test_cpu_safe_auto_mapping_without_pg_collection() -> None:
         mapping = AutoMapping(megatron_param="decoder.final_layernorm.weight", hf_param="model.norm.weight")
         assert not hasattr(mapping, "_pg_collection")
         assert type(mapping._get_or_create_mapping("replicated")) is ReplicatedMapping
+
+
+def test_env_names_versions_and_vime_readiness(capsys) -> None:
+    import importlib.metadata
+
+    from vime_gemma4_bridge import cli
+
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split("  ")[0].strip(): line for line in out}
+    for component, distribution in (
+        ("megatron-core", "megatron-core"),
+        ("Megatron-Bridge", "megatron-bridge"),
+        ("transformers", "transformers"),
+    ):
+        assert importlib.metadata.version(distribution) in rows[component]
+    assert "release" in rows["Megatron-Bridge"] and "CPU twins" in rows["modules"]
+    assert "Gemma4ForConditionalGeneration -> Gemma4ConditionalGenerationBridge" in rows["registration"]
+    assert out[-1] == "env OK: the plugin works here"
+
+    assert cli.main(["env", "--vime"]) == 1
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[-1]
+        .startswith("env FAILED: vime's bridge weight sync unpacks three fields; this build's export yields two")
+    )
+    with fork_seams():
+        assert cli.main(["env", "--vime"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "env OK: the plugin works here and vime's bridge mode can use it"
