@@ -325,7 +325,7 @@ def test_export_refusals(single_rank, checkpoints, capsys, tmp_path: Path) -> No
     needles = ("holds a different model", "model.language_model.", "BF16[", "there and F32[", "imported from")
     assert_refused(capsys, argv, needles, out)
 
-    wider = variant(hf, tmp_path / "wider", text={"vocab_size": 512})  # the config alone differs
+    wider = write_tiny_checkpoint(tmp_path / "wider", dataclasses.replace(CHECKPOINTS["moe-vl"], vocab_size=512))
     argv = ["export", "--load", ckpt, "--hf-checkpoint", wider, "--output", out]
     assert_refused(capsys, argv, ("holds a different model", "vocab_size is 300 there and 512 here"), out)
 

@@ -7,6 +7,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from vime_gemma4_bridge import errors
+
 
 def build_parser() -> argparse.ArgumentParser:
     from vime_gemma4_bridge import bench, demo, doctor, env, live, parity, roundtrip, tiny, torch_dist
@@ -27,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     torch_dist.add_parsers(sub)
     bench.add_parser(sub)
     env.add_parser(sub)
+    for command in sub.choices.values():
+        errors.add_output_options(command)
     return parser
 
 
@@ -36,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    return errors.run_command(f"vime-gemma4 {args.command}", args)
 
 
 if __name__ == "__main__":

@@ -437,6 +437,10 @@ def single_process_group(backend: str | None = None) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------
 
 
+#: Set to "1" (``--verbose``) to keep upstream's import-time logging and warnings in rank processes.
+VERBOSE_ENV = "VIME_GEMMA4_VERBOSE"
+
+
 class RankError(RuntimeError):
     """A job function raised (or its rank process died) on one or more ranks of a :class:`LocalWorld`.
 
@@ -497,7 +501,7 @@ def _describe(fn: Any) -> str:
 # its bridges on import), which reads thread settings and logs/warns at import time, so all of
 # this must come first. Stdlib only. ``rank_kwargs`` is bound in the globals by LocalWorld.start.
 _RANK_BOOTSTRAP = r"""
-import logging, os, signal, threading, time, warnings
+import logging, os, signal, threading, time
 
 kw = rank_kwargs
 # Own process group: the parent kills the rank together with anything it spawned.
@@ -543,19 +547,9 @@ logging.basicConfig(
     force=True,
 )
 if not kw["verbose"]:
-    # megatron.bridge's import_utils logs INFO through a handler of its own.
-    logging.disable(logging.INFO)
-    # torch warns "No CUDA runtime is found" on every CPU-only import of cpp_extension.
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    for message in (
-        r".*Transformer Engine and Apex are not installed",
-        r".*Apex is not installed",
-        r".*absl\.logging is not installed",
-        r".*transformer-engine>=[0-9.]+ supports MoE experts",
-    ):
-        warnings.filterwarnings("ignore", message=message)
-    for category in (FutureWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", category=category, module=r"(megatron|transformers|torch)(\.|$)")
+    from vime_gemma4_bridge.compat import quiet
+
+    quiet.install()
 
 from vime_gemma4_bridge.distributed import _rank_main
 
@@ -716,7 +710,7 @@ class LocalWorld:
         preload: Sequence[str] = DEFAULT_PRELOAD,
         start_timeout: float = 600.0,
         error_grace: float = DEFAULT_ERROR_GRACE,
-        verbose: bool = False,
+        verbose: bool | None = None,
     ) -> None:
         if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
             raise ValueError(f"nproc must be a whole number >= 1, got {nproc!r}")
@@ -725,7 +719,7 @@ class LocalWorld:
         self.preload = tuple(preload)
         self.start_timeout = start_timeout
         self.error_grace = error_grace
-        self.verbose = verbose
+        self.verbose = os.environ.get(VERBOSE_ENV) == "1" if verbose is None else verbose
         self._owner_pid = os.getpid()
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[multiprocessing.connection.Connection] = []

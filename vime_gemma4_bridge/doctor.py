@@ -1524,7 +1524,7 @@ def add_probe_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_probe(args: argparse.Namespace) -> int:
     """Validate everything before starting ranks (bad input: one line on stderr, exit 2); exit 0 iff all ok."""
-    from vime_gemma4_bridge import convert, hf_io
+    from vime_gemma4_bridge import convert, hf_io, preflight
 
     try:
         topology = Topology.from_args(args)
@@ -1536,6 +1536,7 @@ def run_probe(args: argparse.Namespace) -> int:
             raise ValueError("probe follows routed experts; this checkpoint is dense (no enable_moe_block)")
         experts = parse_id_list(args.experts, int(text["num_experts"]), "--experts") if args.experts else None
         layers = parse_id_list(args.layers, int(text["num_hidden_layers"]), "--layers") if args.layers else None
+        preflight.check_language_model(source)
     except ValueError as error:
         print(f"vime-gemma4 probe: error: {error}", file=sys.stderr)
         return 2

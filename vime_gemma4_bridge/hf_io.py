@@ -9,6 +9,7 @@ unchanged from the source when a complete HF checkpoint is written.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -146,13 +147,36 @@ def parse_size(text: str, flag: str = "size") -> int:
     return size
 
 
+def refuse_overlap(output: str | os.PathLike, flag: str, sources: Mapping[str, str | os.PathLike]) -> None:
+    """Refuse an output that is, contains or lies inside a source, ``--force`` or not: sources are never modified."""
+    out = Path(output).resolve()
+    for source_flag, source in sources.items():
+        src = Path(source).resolve()
+        if out == src or src in out.parents or out in src.parents:
+            raise CheckpointError(
+                f"{flag} {output} overlaps {source_flag} {source}; sources are never modified: choose another path"
+            )
+
+
 def prepare_output(path: str | os.PathLike, *, force: bool) -> Path:
-    """Check an output directory may be written; return it. Nothing is created here."""
+    """Check an output directory may be written (a probe directory is made and removed); return it.
+
+    The hidden partial directories (``.NAME.partial*``) a killed run may have left beside it are removed.
+    """
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"output {out} exists and is a file; choose a directory path")
     if out.exists() and any(out.iterdir()) and not force:
         raise CheckpointError(f"output {out} already exists and is not empty; pass --force to replace it")
+    parent = out.parent if out.parent.exists() else next(p for p in out.parents if p.exists())
+    probe = parent / f".{out.name}.write-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as error:
+        raise CheckpointError(f"cannot write output {out}: {error.strerror} ({parent}); choose another path") from None
+    for stale in out.parent.glob(f".{glob.escape(out.name)}.partial*"):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a run that was killed (SIGKILL) while writing
     return out
 
 
@@ -201,8 +225,8 @@ def write_hf_checkpoint(
         raise CheckpointError(f"refusing to write an incomplete checkpoint: missing {missing}, unexpected {extra}")
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        tmp.mkdir(parents=True)
         for item in source.path.iterdir():
             if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != INDEX_NAME:
                 shutil.copy2(item, tmp / item.name)
@@ -215,6 +239,11 @@ def write_hf_checkpoint(
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
+    except OSError as error:  # disk full, permission denied, read-only file system, ...
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"writing {out} failed: {error.strerror or error} ({error.filename or tmp}); nothing was written"
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -193,15 +193,17 @@ def add_export_live_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_export_live(args: argparse.Namespace) -> int:
-    from vime_gemma4_bridge import convert, hf_io
+    from vime_gemma4_bridge import convert, hf_io, preflight
 
     try:
         topology = Topology.from_args(args)
         topology.validate(requested_world_size(args.nproc))
         source = hf_io.HFCheckpoint(args.hf_checkpoint)
         convert.validate_model_topology(source.config, topology)
+        hf_io.refuse_overlap(args.dump, "--dump", {"--hf-checkpoint": source.path})
         hf_io.prepare_output(args.dump, force=args.force)
         buffer_size = hf_io.parse_size(args.buffer_size, "--buffer-size")
+        preflight.check_language_model(source)
     except ValueError as error:
         print(f"vime-gemma4 export-live: error: {error}", file=sys.stderr)
         return 2

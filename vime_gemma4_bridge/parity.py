@@ -344,7 +344,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vime_gemma4_bridge import convert, hf_io
+    from vime_gemma4_bridge import convert, hf_io, preflight
 
     try:
         topology = Topology.from_args(args)
@@ -356,6 +356,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--seq-len must be a whole number >= 1, got {seq_len}")
         if args.batch < 1:
             raise ValueError(f"--batch must be a whole number >= 1, got {args.batch}")
+        preflight.check_language_model(source)
     except ValueError as error:
         print(f"vime-gemma4 parity: error: {error}", file=sys.stderr)
         return 2

@@ -82,7 +82,7 @@ def roundtrip_job(
 
 
 def run(args: argparse.Namespace) -> int:
-    from vime_gemma4_bridge import convert, hf_io
+    from vime_gemma4_bridge import convert, hf_io, preflight
 
     try:
         topology = Topology.from_args(args)
@@ -90,8 +90,10 @@ def run(args: argparse.Namespace) -> int:
         source = hf_io.HFCheckpoint(args.hf_checkpoint)
         convert.validate_model_topology(source.config, topology)
         if args.output:
+            hf_io.refuse_overlap(args.output, "--output", {"--hf-checkpoint": source.path})
             hf_io.prepare_output(args.output, force=args.force)
         max_shard_size = hf_io.parse_size(args.max_shard_size, "--max-shard-size")
+        preflight.check_language_model(source)
     except ValueError as error:
         print(f"vime-gemma4 roundtrip: error: {error}", file=sys.stderr)
         return 2

@@ -218,17 +218,24 @@ class TorchDistReader:
             with open(self.path / info.relative_path, "rb") as handle:
                 buffer = self._files[info.relative_path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
         try:
-            start, dtype, stored = _plain_tensor_location(buffer, info.offset, info.length)
-            count = math.prod(stored)
-            flat = (
-                torch.frombuffer(buffer, dtype=dtype, count=count, offset=start)
-                if count
-                else torch.empty(0, dtype=dtype)
-            )
-            tensor = flat.view(stored)
-        except _NotPlain:
-            item = io.BytesIO(buffer[info.offset : info.offset + info.length])
-            tensor = torch.load(item, map_location="cpu", weights_only=True)
+            try:
+                start, dtype, stored = _plain_tensor_location(buffer, info.offset, info.length)
+                count = math.prod(stored)
+                flat = (
+                    torch.frombuffer(buffer, dtype=dtype, count=count, offset=start)
+                    if count
+                    else torch.empty(0, dtype=dtype)
+                )
+                tensor = flat.view(stored)
+            except _NotPlain:
+                item = io.BytesIO(buffer[info.offset : info.offset + info.length])
+                tensor = torch.load(item, map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 (zip, pickle, EOF or buffer errors of damaged bytes)
+            raise ValueError(
+                f"torch_dist file {self.path / info.relative_path} is unreadable at {key} "
+                f"(bytes {info.offset:,}..{info.offset + info.length:,}: {type(error).__name__}: {error}); "
+                "the checkpoint is damaged: re-create it with vime-gemma4 import"
+            ) from None
         if tuple(tensor.shape) != tuple(shape) or tensor.dtype != self.dtype(key):
             raise ValueError(f"torch_dist chunk {key}@{list(offsets)} holds {tensor.dtype}{list(tensor.shape)}")
         return tensor

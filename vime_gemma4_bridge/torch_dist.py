@@ -160,17 +160,6 @@ def tensor_signature(checkpoint: Any, names: Sequence[str]) -> dict[str, list]:
     return {name: signature[name] for name in names}
 
 
-def refuse_overlap(output: Path, flag: str, sources: Mapping[str, Path]) -> None:
-    """Refuse an output that is, contains or lies inside a source: sources are never modified."""
-    out = output.resolve()
-    for source_flag, source in sources.items():
-        src = source.resolve()
-        if out == src or src in out.parents or out in src.parents:
-            raise ConversionError(
-                f"{flag} {output} overlaps {source_flag} {source}; sources are never modified: choose another path"
-            )
-
-
 class TorchDistCheckpoint:
     """A torch_dist checkpoint on disk, checked before any rank starts.
 
@@ -219,6 +208,41 @@ class TorchDistCheckpoint:
                 self.sidecar = json.loads(sidecar_file.read_text())
             except json.JSONDecodeError as error:
                 raise ConversionError(f"{sidecar_file} is no JSON ({error}); the checkpoint is damaged") from None
+
+    def check_files(self) -> None:
+        """Refuse a checkpoint whose data files are missing or shorter than its metadata says (no data read).
+
+        PyTorch's checkpoint metadata records, for every stored item, the file and byte range that hold
+        it; a missing or truncated ``.distcp`` file is found here, in one line naming the file and a
+        tensor it should hold, before any rank starts.
+        """
+        from torch.distributed.checkpoint import FileSystemReader
+
+        try:
+            metadata = FileSystemReader(str(self.iteration_dir)).read_metadata()
+        except Exception as error:  # noqa: BLE001 (pickle, EOF or OS errors of a damaged .metadata)
+            raise ConversionError(
+                f"{self.iteration_dir / '.metadata'} is unreadable ({type(error).__name__}: {error}); "
+                "the checkpoint is damaged: re-create it with vime-gemma4 import"
+            ) from None
+        needed: dict[str, tuple[int, str]] = {}
+        for index, info in metadata.storage_data.items():
+            end = info.offset + info.length
+            if end > needed.get(info.relative_path, (0, ""))[0]:
+                needed[info.relative_path] = (end, index.fqn)
+        for relative_path, (end, key) in sorted(needed.items()):
+            file = self.iteration_dir / relative_path
+            if not file.is_file():
+                raise ConversionError(
+                    f"torch_dist checkpoint {self.path} is damaged: {file.name} is missing (it holds {key}); "
+                    "re-create it with vime-gemma4 import"
+                )
+            size = file.stat().st_size
+            if size < end:
+                raise ConversionError(
+                    f"torch_dist checkpoint {self.path} is damaged: {file.name} is truncated ({size:,} of at least "
+                    f"{end:,} bytes; {key} is past its end); re-create it with vime-gemma4 import"
+                )
 
     def check_matches(self, source: Any) -> None:
         """Refuse (one line) if ``source`` (an :class:`~vime_gemma4_bridge.hf_io.HFCheckpoint`) is another model.
@@ -395,8 +419,32 @@ def save_torch_dist(model: list, iteration_dir: str | os.PathLike) -> None:
                 validate_access_integrity=True,
                 content_metadata=_clean_metadata_for_serialization(metadata),
             )
+    except BaseException as error:  # PyTorch's CheckpointException is a BaseException
+        if isinstance(error, KeyboardInterrupt | SystemExit):
+            raise
+        raise ConversionError(
+            f"writing torch_dist to {iteration_dir} failed: {_write_failure(iteration_dir)}"
+        ) from None
     finally:
         quiet.setLevel(level)
+
+
+def _write_failure(directory: Path) -> str:
+    """Why a write into ``directory`` failed, as far as the file system tells (the writer's errors do not)."""
+    probe = directory / ".vime-gemma4-write-probe"
+    try:
+        with open(probe, "wb") as handle:
+            handle.write(b"\0" * 65536)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        return f"{error.strerror} ({directory})"
+    finally:
+        probe.unlink(missing_ok=True)
+    free = shutil.disk_usage(directory).free
+    return (
+        f"the torch_dist writer failed with {free:,} bytes free on that file system (run with --debug for its errors)"
+    )
 
 
 def load_torch_dist(
@@ -554,6 +602,8 @@ def import_job(hf_checkpoint: str, save: str, partial: str, topology: Topology) 
     out = Path(save)
     rank0 = convert.is_rank0()
     try:
+        if rank0:
+            work.mkdir(parents=True)  # from the start: a killed run leaves this hidden directory, never DIR
         with contextlib.redirect_stdout(sys.stderr):
             with phases("build", f"building the Megatron model at {topology}"):
                 bridge = convert.open_bridge(hf_checkpoint)
@@ -564,7 +614,7 @@ def import_job(hf_checkpoint: str, save: str, partial: str, topology: Topology) 
             with phases("load_hf", f"loading {hf_checkpoint}"):
                 bridge.load_hf_weights(model)
             if rank0:
-                (work / ITERATION_DIR).mkdir(parents=True)
+                (work / ITERATION_DIR).mkdir()
             dist.barrier()
             with phases("save", f"saving torch_dist to {out}"):
                 save_torch_dist(model, work / ITERATION_DIR)
@@ -808,26 +858,10 @@ def _refuse(args: argparse.Namespace, error: Exception) -> int:
 
 
 def _failure(args: argparse.Namespace, error: BaseException) -> int:
-    """One line for a failure inside the ranks; the tracebacks too when it was not a clean refusal."""
-    from vime_gemma4_bridge.distributed import RankError
+    """One line for a failure inside the ranks (every traceback too with ``--debug``); exit status 1."""
+    from vime_gemma4_bridge import errors
 
-    if isinstance(error, RankError):
-        text = next(iter(error.failures.values()), "").strip()
-        last = text.splitlines()[-1] if text else str(error).splitlines()[0]
-        name, _, message = last.partition(": ")
-        clean = name.rsplit(".", 1)[-1] in (ConversionError.__name__, "CheckpointError", "TopologyError")
-        if not clean:
-            print(str(error), file=sys.stderr)
-        line = message if clean else last
-    else:
-        clean = isinstance(error, ValueError)
-        if not clean:
-            import traceback
-
-            traceback.print_exception(error, file=sys.stderr)
-        line = str(error).splitlines()[0] if str(error) else type(error).__name__
-    print(f"{args.prog}: error: {line}", file=sys.stderr)
-    return 1
+    return errors.report(args.prog, error, debug=getattr(args, "debug", False))
 
 
 def _report(args: argparse.Namespace, result: Mapping[str, Any]) -> None:
@@ -856,25 +890,26 @@ def _report(args: argparse.Namespace, result: Mapping[str, Any]) -> None:
 
 def run_import(args: argparse.Namespace) -> int:
     """``import``: every refusal before ranks start; exit 0 on success, 1 if a rank failed, 2 on bad input."""
-    from vime_gemma4_bridge import convert, hf_io
+    from vime_gemma4_bridge import convert, errors, hf_io, preflight
 
     try:
         topology = Topology.from_args(args)
         topology.validate(requested_world_size(args.nproc))
         source = hf_io.HFCheckpoint(args.hf_checkpoint)
         convert.validate_model_topology(source.config, topology)
+        hf_io.refuse_overlap(args.save, "--save", {"--hf-checkpoint": source.path})
         out = hf_io.prepare_output(args.save, force=args.force)
-        refuse_overlap(out, "--save", {"--hf-checkpoint": source.path})
+        preflight.check_language_model(source)
     except ValueError as error:
         return _refuse(args, error)
     partial = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:12]}"
     try:
         results = launch(args.nproc, import_job, str(source.path), str(out), str(partial), topology)
-    except KeyboardInterrupt:  # the local ranks are gone (LocalWorld kills them first)
+    except KeyboardInterrupt as interrupt:  # SIGINT or SIGTERM; the local ranks are gone (LocalWorld kills them)
         shutil.rmtree(partial, ignore_errors=True)
         print(f"{args.prog}: interrupted; {out} was not written", file=sys.stderr)
-        return 130
-    except Exception as error:  # a rank failed; the world is gone
+        return errors.interrupted_status(interrupt)
+    except BaseException as error:  # noqa: BLE001 (a rank failed; the world is gone)
         shutil.rmtree(partial, ignore_errors=True)
         return _failure(args, error)
     _report(args, results[0])
@@ -883,7 +918,7 @@ def run_import(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     """``export``: every refusal before ranks start; exit 0 on success, 1 if a rank failed, 2 on bad input."""
-    from vime_gemma4_bridge import convert, hf_io
+    from vime_gemma4_bridge import convert, errors, hf_io, preflight
 
     try:
         topology = Topology.from_args(args)
@@ -891,19 +926,21 @@ def run_export(args: argparse.Namespace) -> int:
         source = hf_io.HFCheckpoint(args.hf_checkpoint)
         convert.validate_model_topology(source.config, topology)
         checkpoint = TorchDistCheckpoint(args.load)
-        checkpoint.check_matches(source)
+        hf_io.refuse_overlap(args.output, "--output", {"--hf-checkpoint": source.path, "--load": checkpoint.path})
         out = hf_io.prepare_output(args.output, force=args.force)
-        refuse_overlap(out, "--output", {"--hf-checkpoint": source.path, "--load": checkpoint.path})
         max_shard_size = hf_io.parse_size(args.max_shard_size, "--max-shard-size")
+        preflight.check_language_model(source)  # the HF checkpoint agrees with itself, then with the torch_dist one
+        checkpoint.check_files()
+        checkpoint.check_matches(source)
     except ValueError as error:
         return _refuse(args, error)
     try:
         job_args = (str(checkpoint.path), str(source.path), str(out), topology, args.force, max_shard_size)
         results = launch(args.nproc, export_job, *job_args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         print(f"{args.prog}: interrupted; {out} was not written", file=sys.stderr)
-        return 130
-    except Exception as error:
+        return errors.interrupted_status(interrupt)
+    except BaseException as error:  # a rank failed; the world is gone
         return _failure(args, error)
     _report(args, results[0])
     return 0
@@ -914,8 +951,10 @@ def main_import(argv: Sequence[str] | None = None, prog: str | None = None) -> i
     parser = argparse.ArgumentParser(
         prog=prog, description=IMPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    args = build_import_parser(parser).parse_args(argv)
-    return args.func(args)
+    from vime_gemma4_bridge.errors import add_output_options, run_command
+
+    args = add_output_options(build_import_parser(parser)).parse_args(argv)
+    return run_command(args.prog, args)
 
 
 def main_export(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
@@ -923,5 +962,7 @@ def main_export(argv: Sequence[str] | None = None, prog: str | None = None) -> i
     parser = argparse.ArgumentParser(
         prog=prog, description=EXPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    args = build_export_parser(parser).parse_args(argv)
-    return args.func(args)
+    from vime_gemma4_bridge.errors import add_output_options, run_command
+
+    args = add_output_options(build_export_parser(parser)).parse_args(argv)
+    return run_command(args.prog, args)

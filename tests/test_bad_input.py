@@ -1,0 +1,384 @@
+"""What bad input gets: the catalogue. One case per class of damaged or wrong input.
+
+Every case asserts the exit status, the one line the user reads (and no ``Traceback``), that no output
+path appeared (nor a hidden partial one), and that the source's bytes are unchanged. Refusals come
+before any rank starts (in-process ``cli.main``; no world is spawned); write failures and interrupts
+run a real conversion of one rank in a subprocess (megatron-core's torch_dist writer starts a helper
+process, which must not outlive the command inside the test process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from vime_gemma4_bridge import cli
+from vime_gemma4_bridge.tiny import TinySpec, write_tiny_checkpoint
+
+EXPERTS = "model.language_model.layers.0.experts.down_proj"
+
+
+def digest(path: Path) -> str:
+    """Hash of every file's name and bytes under ``path``: sources must not change."""
+    h = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(file.relative_to(path)).encode())
+        h.update(file.read_bytes())
+    return h.hexdigest()
+
+
+def leftovers(directory: Path, name: str) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name == name or p.name.startswith(f".{name}.partial"))
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("bad-input") / "hf", TinySpec(seed=11))
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    """``vime-gemma4 ARGV`` in a subprocess."""
+    command = [sys.executable, "-m", "vime_gemma4_bridge.cli", *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+
+
+@pytest.fixture(scope="module")
+def torch_dist(good: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    save = tmp_path_factory.mktemp("bad-input-td") / "ckpt"
+    proc = run_cli("import", "--hf-checkpoint", str(good), "--save", str(save))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return save
+
+
+def damaged(good: Path, tmp_path: Path, edit) -> Path:
+    """A copy of the good checkpoint with ``edit(tensors, config)`` applied (one safetensors file)."""
+    copy = tmp_path / "damaged"
+    shutil.copytree(good, copy)
+    shard = next(copy.glob("*.safetensors"))
+    with safe_open(shard, framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    config = json.loads((copy / "config.json").read_text())
+    edit(tensors, config)
+    for old in copy.glob("*.safetensors*"):
+        old.unlink()
+    (copy / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def refused(capsys, argv: list[str], status: int = 2) -> list[str]:
+    """Run a command that must refuse: its exit status, no traceback; the ``error:`` lines."""
+    assert cli.main(argv) == status
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    assert any(": error: " in line for line in lines), err
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# The HF side, from the safetensors headers, before any rank starts
+# ------------------------------------------------------------------------------------------------
+
+
+def _drop_expert(tensors: dict, config: dict) -> None:
+    del tensors[EXPERTS]
+
+
+def _fewer_experts_in_config(tensors: dict, config: dict) -> None:
+    config["text_config"]["num_experts"] = 8
+
+
+def _extra_tensor(tensors: dict, config: dict) -> None:
+    tensors["model.language_model.layers.0.mystery.weight"] = tensors["model.language_model.norm.weight"].clone()
+
+
+def _wrong_dtype(tensors: dict, config: dict) -> None:
+    tensors["model.language_model.norm.weight"] = tensors["model.language_model.norm.weight"].float()
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (_drop_expert, f"  {EXPERTS}: missing (config.json implies BF16 [16, 64, 16])"),
+        (_fewer_experts_in_config, f"  {EXPERTS}: BF16 [16, 64, 16] found, config.json implies BF16 [8, 64, 16]"),
+        (
+            _extra_tensor,
+            "  model.language_model.layers.0.mystery.weight: unexpected language-model tensor "
+            "(config.json implies no such tensor)",
+        ),
+        (_wrong_dtype, "  model.language_model.norm.weight: F32 [64] found, config.json implies BF16 [64]"),
+    ],
+    ids=["missing-expert-tensor", "config-lies-about-experts", "unexpected-tensor", "wrong-dtype"],
+)
+def test_checkpoint_that_disagrees_with_its_config(good, tmp_path, capsys, edit, expected) -> None:
+    source = damaged(good, tmp_path, edit)
+    before = digest(source)
+    save = tmp_path / "out"
+    lines = refused(capsys, ["import", "--hf-checkpoint", str(source), "--save", str(save)])
+    assert lines[0].startswith(f"vime-gemma4 import: error: HF checkpoint {source} does not match its config.json")
+    assert expected in lines
+    assert not leftovers(tmp_path, "out") and digest(source) == before
+
+
+@pytest.mark.parametrize("command", ["import", "roundtrip", "parity", "probe", "export-live", "export"])
+def test_every_command_runs_the_preflight(good, torch_dist, tmp_path, capsys, command) -> None:
+    source = damaged(good, tmp_path, _drop_expert)
+    out = tmp_path / "out"
+    argv = {
+        "import": ["--save", str(out)],
+        "roundtrip": ["--output", str(out)],
+        "parity": [],
+        "probe": [],
+        "export-live": ["--dump", str(out), "--buffer-size", "1MB"],
+        "export": ["--load", str(torch_dist), "--output", str(out)],
+    }[command]
+    lines = refused(capsys, [command, "--hf-checkpoint", str(source), *argv])
+    assert f"  {EXPERTS}: missing (config.json implies BF16 [16, 64, 16])" in lines
+    assert not leftovers(tmp_path, "out")
+
+
+def test_index_naming_a_shard_that_lacks_the_tensor(good, tmp_path, capsys) -> None:
+    source = tmp_path / "hf"
+    shutil.copytree(good, source)
+    shard = next(source.glob("*.safetensors")).name
+    index = {"metadata": {}, "weight_map": {"model.language_model.norm.weight": "model-00002-of-00002.safetensors"}}
+    with safe_open(source / shard, framework="pt") as handle:
+        index["weight_map"].update({name: shard for name in handle.keys() if name not in index["weight_map"]})
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    lines = refused(capsys, ["roundtrip", "--hf-checkpoint", str(source)])
+    assert lines[-1].endswith("model-00002-of-00002.safetensors is missing (named by model.safetensors.index.json)")
+
+
+# ------------------------------------------------------------------------------------------------
+# torch_dist integrity
+# ------------------------------------------------------------------------------------------------
+
+
+def _damaged_torch_dist(torch_dist: Path, tmp_path: Path, how: str) -> Path:
+    copy = tmp_path / "ckpt"
+    shutil.copytree(torch_dist, copy)
+    iteration = copy / "iter_0000000"
+    data = next(iteration.glob("*.distcp"))
+    if how == "truncated":
+        os.truncate(data, data.stat().st_size // 2)
+    elif how == "missing":
+        data.unlink()
+    else:
+        (iteration / ".metadata").write_bytes(b"not a pickle")
+    return copy
+
+
+@pytest.mark.parametrize(
+    "how, expected",
+    [
+        ("truncated", "is damaged: __0_0.distcp is truncated ("),
+        ("missing", "is damaged: __0_0.distcp is missing (it holds "),
+        ("metadata", "/iter_0000000/.metadata is unreadable ("),
+    ],
+)
+def test_damaged_torch_dist(good, torch_dist, tmp_path, capsys, how, expected) -> None:
+    ckpt = _damaged_torch_dist(torch_dist, tmp_path, how)
+    before = digest(ckpt)
+    out = tmp_path / "out"
+    lines = refused(capsys, ["export", "--load", str(ckpt), "--hf-checkpoint", str(good), "--output", str(out)])
+    assert expected in lines[-1] and "re-create it with vime-gemma4 import" in lines[-1]
+    assert not leftovers(tmp_path, "out") and digest(ckpt) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# Sources are sacred: an output that is, is inside, or contains an input is refused, --force or not
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["roundtrip", "--hf-checkpoint", "{hf}", "--output", "{hf}", "--force"],
+        ["roundtrip", "--hf-checkpoint", "{hf}", "--output", "{hf}/sub", "--force"],
+        ["roundtrip", "--hf-checkpoint", "{hf}", "--output", "{parent}", "--force"],
+        ["import", "--hf-checkpoint", "{hf}", "--save", "{hf}", "--force"],
+        ["export-live", "--hf-checkpoint", "{hf}", "--dump", "{hf}/dump", "--buffer-size", "1MB", "--force"],
+        ["export", "--load", "{td}", "--hf-checkpoint", "{hf}", "--output", "{td}", "--force"],
+        ["export", "--load", "{td}", "--hf-checkpoint", "{hf}", "--output", "{hf}", "--force"],
+    ],
+    ids=[
+        "roundtrip-self",
+        "roundtrip-inside",
+        "roundtrip-containing",
+        "import-self",
+        "live-inside",
+        "export-load",
+        "export-hf",
+    ],
+)
+def test_outputs_never_overlap_inputs(good, torch_dist, tmp_path, capsys, argv) -> None:
+    hf = tmp_path / "parent" / "hf"
+    shutil.copytree(good, hf)
+    td = tmp_path / "td"
+    shutil.copytree(torch_dist, td)
+    before = digest(tmp_path)
+    filled = [a.format(hf=hf, td=td, parent=tmp_path / "parent") for a in argv]
+    lines = refused(capsys, filled)
+    assert "sources are never modified: choose another path" in lines[-1]
+    assert digest(tmp_path) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs the commands refused already (kept refused)
+# ------------------------------------------------------------------------------------------------
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("indivisible-ep", "16 experts do not divide by --ep 3"),
+        ("world-size", "does not fit 3 rank(s)"),
+        ("no-config", "has no config.json"),
+        ("bad-config", "config.json is not valid JSON"),
+        ("not-gemma", "not a Gemma 4 checkpoint"),
+        ("truncated-safetensors", "is unreadable or corrupt"),
+        ("occupied-output", "already exists and is not empty; pass --force to replace it"),
+    ],
+)
+def test_refusals_already_handled(good, tmp_path, capsys, case, expected) -> None:
+    source = tmp_path / "hf"
+    shutil.copytree(good, source)
+    out = tmp_path / "out"
+    argv = ["import", "--hf-checkpoint", str(source), "--save", str(out)]
+    if case == "indivisible-ep":
+        argv += ["--ep", "3", "--nproc", "3"]
+    elif case == "world-size":
+        argv += ["--tp", "2", "--nproc", "3"]
+    elif case == "no-config":
+        (source / "config.json").unlink()
+    elif case == "bad-config":
+        _write(source / "config.json", "{not json")
+    elif case == "not-gemma":
+        config = json.loads((source / "config.json").read_text())
+        config["architectures"] = ["LlamaForCausalLM"]
+        _write(source / "config.json", json.dumps(config))
+    elif case == "truncated-safetensors":
+        shard = next(source.glob("*.safetensors"))
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif case == "occupied-output":
+        out.mkdir()
+        _write(out / "keep.txt", "mine")
+    before = digest(source)
+    lines = refused(capsys, argv)
+    assert expected in lines[-1], lines
+    assert digest(source) == before
+    assert leftovers(tmp_path, "out") == (["out"] if case == "occupied-output" else [])
+    if case == "occupied-output":
+        assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_torch_dist_of_another_model(good, torch_dist, tmp_path, capsys) -> None:
+    other = write_tiny_checkpoint(tmp_path / "other", TinySpec(seed=11, experts=8))
+    lines = refused(capsys, ["export", "--load", str(torch_dist), "--hf-checkpoint", str(other), "--output", "o"])
+    assert "holds a different model than" in lines[-1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Write failures: disk full, read-only file system
+# ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, *options: str) -> Iterator[Path]:
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small file system here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+@pytest.mark.parametrize("command", ["roundtrip", "import"])
+def test_disk_full_is_one_line_and_leaves_nothing(good, tmp_path, command) -> None:
+    before = digest(good)
+    with small_filesystem(tmp_path / "fs", "size=300k") as fs:
+        flag = "--output" if command == "roundtrip" else "--save"
+        proc = run_cli(command, "--hf-checkpoint", str(good), flag, str(fs / "out"))
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        last = proc.stderr.splitlines()[-1]
+        assert last.startswith(f"vime-gemma4 {command}: error: writing ") and "No space left on device" in last
+        assert list(fs.iterdir()) == []
+    assert digest(good) == before
+
+
+@pytest.mark.parametrize("command", ["roundtrip", "import", "export-live"])
+def test_unwritable_output_is_refused_before_launch(good, tmp_path, capsys, command) -> None:
+    """A read-only file system stands in for permission denied (root ignores file modes)."""
+    with small_filesystem(tmp_path / "fs", "size=1m", "ro") as fs:
+        flag = {"roundtrip": ["--output"], "import": ["--save"], "export-live": ["--buffer-size", "1MB", "--dump"]}
+        lines = refused(capsys, [command, "--hf-checkpoint", str(good), *flag[command], str(fs / "out")])
+        expected = f"cannot write output {fs / 'out'}: Read-only file system ({fs}); choose another path"
+        assert lines[-1] == f"vime-gemma4 {command}: error: {expected}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Interrupts
+# ------------------------------------------------------------------------------------------------
+
+
+def _start_import(good: Path, save: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "vime_gemma4_bridge.cli", "import", "--hf-checkpoint", str(good), "--save", str(save)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_partial(proc: subprocess.Popen, parent: Path, name: str) -> None:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(p.name.startswith(f".{name}.partial") for p in parent.iterdir()):
+            return
+        time.sleep(0.02)
+    pytest.fail(f"no partial output appeared (exit {proc.poll()})")
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_interrupt_removes_partial_output(good, tmp_path, sig, status) -> None:
+    before = digest(good)
+    proc = _start_import(good, tmp_path / "out")
+    _wait_for_partial(proc, tmp_path, "out")
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == status, err[-2000:]
+    assert "Traceback" not in err and "interrupted" in err.splitlines()[-1]
+    assert leftovers(tmp_path, "out") == [] and digest(good) == before
+
+
+def test_sigkill_leaves_a_hidden_partial_that_the_next_run_cleans(good, tmp_path) -> None:
+    proc = _start_import(good, tmp_path / "out")
+    _wait_for_partial(proc, tmp_path, "out")
+    proc.kill()
+    proc.communicate(timeout=120)
+    left = leftovers(tmp_path, "out")
+    assert left and all(name.startswith(".out.partial") for name in left), left
+    assert run_cli("import", "--hf-checkpoint", str(good), "--save", str(tmp_path / "out")).returncode == 0
+    assert leftovers(tmp_path, "out") == ["out"]

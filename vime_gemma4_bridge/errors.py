@@ -1,0 +1,91 @@
+"""One error formatter for every command: a failure is one line on stderr, its traceback only with ``--debug``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import traceback
+
+#: Our refusal types: their message is the whole story, the exception name adds nothing.
+_REFUSALS = ("CheckpointError", "ConversionError", "TopologyError", "PreflightError", "UnsupportedCheckpoint")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, so that it unwinds (and cleans up) as on Ctrl-C."""
+
+
+def interrupted_status(interrupt: KeyboardInterrupt) -> int:
+    """Exit status of an interrupted command: 143 for SIGTERM, 130 for SIGINT (128 + signal number)."""
+    return 128 + (signal.SIGTERM if isinstance(interrupt, Terminated) else signal.SIGINT)
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+def one_line(error: BaseException) -> str:
+    """What went wrong, in one line: a refusal's message; otherwise the exception type and message.
+
+    For a failure inside ranks (``RankError``) it is the last line of the first failing rank's
+    traceback: the exception that ended it, not the harness's summary.
+    """
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        text = next(iter(failures.values())).strip()
+        last = text.splitlines()[-1] if text else type(error).__name__
+        name, _, message = last.partition(": ")
+        return message if name.rsplit(".", 1)[-1] in _REFUSALS and message else last
+    message = str(error).strip()
+    if type(error).__name__ in _REFUSALS or isinstance(error, ValueError):
+        return message or type(error).__name__
+    first = message.splitlines()[0] if message else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def report(prog: str, error: BaseException, *, debug: bool) -> int:
+    """Print ``prog: error: <one line>`` (after the traceback, with ``debug``); return exit status 1."""
+    if debug:
+        if getattr(error, "failures", None):
+            print(str(error), file=sys.stderr)  # every rank's traceback
+        else:
+            traceback.print_exception(error, file=sys.stderr)
+    print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
+    return 1
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--debug`` and ``--verbose`` on a command (a command's own ``--verbose`` is kept: it means more output too)."""
+    group = parser.add_argument_group("output")
+    group.add_argument("--debug", action="store_true", help="show the traceback of a failure (default: one line)")
+    if "--verbose" not in parser._option_string_actions:
+        group.add_argument(
+            "--verbose", action="store_true", help="keep upstream's import-time logging and warnings (default: quiet)"
+        )
+    return parser
+
+
+def run_command(prog: str, args: argparse.Namespace) -> int:
+    """Run a parsed command: quiet unless ``--verbose``; a failure is one line unless ``--debug``.
+
+    SIGINT and SIGTERM unwind the command (its partial output is removed on the way) and exit
+    130 / 143; the rank processes of a local world end with it.
+    """
+    from vime_gemma4_bridge.compat import quiet
+    from vime_gemma4_bridge.distributed import VERBOSE_ENV
+
+    if getattr(args, "verbose", False):
+        os.environ[VERBOSE_ENV] = "1"  # rank processes keep their noise too
+    else:
+        quiet.install()
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt as interrupt:  # the local ranks are gone (LocalWorld kills them first)
+        print(f"{prog}: interrupted; nothing was written", file=sys.stderr)
+        return interrupted_status(interrupt)
+    except SystemExit:
+        raise
+    except BaseException as error:  # every failure ends as one line and exit 1 (PyTorch's checkpoint errors too)
+        return report(prog, error, debug=getattr(args, "debug", False))
