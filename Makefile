@@ -5,7 +5,7 @@ PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 SETUP_INPUTS := requirements/lock.txt requirements/no-deps.txt pyproject.toml
 
-.PHONY: setup demo test lint clean-venv
+.PHONY: setup demo test test-fast lint clean-venv
 
 setup: $(STAMP)
 
@@ -26,6 +26,11 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# The pure unit layer (mapping tables vs configs, layer pattern, chunking, pre-flight, errors,
+# the doctor's diagnosis rules): no rank processes, under a minute.
+test-fast: setup
+	$(PY) -m pytest -q -m fast
 
 lint: setup
 	$(VENV)/bin/ruff check .

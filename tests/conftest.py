@@ -45,3 +45,14 @@ def local_world() -> Iterator[Callable[[int], LocalWorld]]:
     finally:
         while current:
             current.pop().close()
+
+
+#: Modules whose tests without rank processes (no ``local_world``) make up the fast unit layer.
+FAST_MODULES = {"test_units", "test_doctor", "test_seams", "test_tiny"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``make test-fast`` (``-m fast``): the doctor's diagnosis rules, the seams, the tiny factory, the units."""
+    for item in items:
+        if item.module.__name__ in FAST_MODULES and "local_world" not in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.fast)

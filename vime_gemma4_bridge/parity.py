@@ -11,8 +11,8 @@ compares the logits over the real vocabulary (Megatron pads it).
 Tolerances: float32 — max |Δlogit| ≤ 2e-5 (MoE) / 5e-5 (dense) and every argmax equal, tight
 enough that a scale error a following RMSNorm hides up to its eps (doubling the routed experts'
 output, as an expert-TP double reduction does: ~4e-5) fails; ``--fp32-max-abs`` sets another bound
-(deep, wide models accumulate more rounding); bfloat16 — argmax agreement ≥ 0.99 (bf16 rounding differs between the two implementations' op orders, so only the
-prediction is compared). The last line printed is always
+(deep, wide models accumulate more rounding); bfloat16 — argmax agreement ≥ 0.99 (bf16 rounding
+differs between the two implementations' op orders, so only the prediction is compared). The last line printed is always
 ``max|dlogit|=<x> mean|dlogit|=<y> argmax_agreement=<z>``.
 """
 

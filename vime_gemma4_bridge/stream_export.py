@@ -299,7 +299,7 @@ class ExportPlan:
 
     def read_direct(self, reader: TorchDistReader) -> None:
         """Copy every non-expert weight from its stored chunk(s) into the model; refuse unused stored tensors."""
-        from vime_gemma4_bridge.torch_dist import refuse_unused_keys
+        from vime_gemma4_bridge.torch_dist_layout import refuse_unused_keys
 
         assert self.direct is not None
         used: set[str] = set()
@@ -315,7 +315,7 @@ class ExportPlan:
 
 def plan_export(bridge: Any, model: list[torch.nn.Module], reader: TorchDistReader) -> ExportPlan | None:
     """The streaming plan for a one-chunk TP1 model built from ``bridge`` (an ``AutoBridge``), or ``None``."""
-    from vime_gemma4_bridge.torch_dist import sharded_state_dict
+    from vime_gemma4_bridge.torch_dist_layout import sharded_state_dict
 
     if len(model) != 1:
         return None
@@ -421,7 +421,7 @@ def streamed_export_tensors(experts: StreamedExperts, reader: TorchDistReader) -
     The proof, per HF tensor: expert 0 is read into its Megatron parameter and converted by its own
     Megatron-Bridge mapping; the result must be exactly that parameter under exactly that HF name.
     """
-    from vime_gemma4_bridge.torch_dist import ConversionError
+    from vime_gemma4_bridge.torch_dist_layout import ConversionError
 
     out: dict[str, LazyTensor] = {}
     for name, group in experts.groups.items():

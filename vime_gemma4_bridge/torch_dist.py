@@ -52,12 +52,11 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +67,7 @@ from vime_gemma4_bridge.distributed import (
     launch,
     requested_world_size,
 )
+from vime_gemma4_bridge.torch_dist_layout import EXTRA_STATE, ConversionError, refuse_unused_keys, sharded_state_dict
 
 __all__ = [
     "ITERATION_DIR",
@@ -100,26 +100,6 @@ SIDECAR_FORMAT = "vime-gemma4-torch-dist"
 SIDECAR_VERSION = 1
 #: Megatron checkpoint version written in the common state (Megatron-LM and Megatron-Bridge write 3.0).
 CHECKPOINT_VERSION = 3.0
-#: torch_dist keys that are not model weights (training checkpoints carry them; export ignores them).
-_NON_MODEL_KEY = re.compile(r"^(optimizer|rng_state|rerun_state_machine|common_state)|\.?optimizer\.")
-_EXTRA_STATE = re.compile(r"_extra_state\d*$")
-
-
-class ConversionError(ValueError):
-    """A conversion cannot proceed (one line: what is wrong and what to do)."""
-
-
-def refuse_unused_keys(keys: Iterable[str]) -> None:
-    """Raise :class:`ConversionError` if any of these torch_dist keys is a model weight nothing loaded.
-
-    Optimizer, RNG and common state (training checkpoints) and TE's ``_extra_state`` are not weights.
-    """
-    unused = sorted(key for key in keys if not _NON_MODEL_KEY.search(key) and not _EXTRA_STATE.search(key))
-    if unused:
-        raise ConversionError(
-            f"torch_dist checkpoint holds {len(unused)} tensor(s) this model lacks (e.g. {unused[0]}): "
-            "it holds a different model than --hf-checkpoint"
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,22 +361,6 @@ def _cpu_checkpointing() -> Iterator[None]:
         torch.cuda.synchronize = original  # type: ignore[assignment]
 
 
-def sharded_state_dict(model: list) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``{"model": ...}`` (or ``model0``, ``model1``... with VPP) as Megatron saves it, and its metadata."""
-    from megatron.core import parallel_state
-
-    # The content metadata of Megatron-Bridge's / Megatron-LM's ``_build_sharded_state_dict_metadata``
-    # (no distributed optimizer): the keys a training run's load expects.
-    metadata = {
-        "singleton_local_shards": False,
-        "chained_optim_avoid_prefix": True,
-        "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
-    }
-    if len(model) == 1:
-        return {"model": model[0].sharded_state_dict(metadata=metadata)}, metadata
-    return {f"model{i}": chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(model)}, metadata
-
-
 def save_torch_dist(model: list, iteration_dir: str | os.PathLike) -> None:
     """Save the model chunks of every rank as one torch_dist checkpoint (collective; the directory exists)."""
     from megatron.core import dist_checkpointing
@@ -496,7 +460,7 @@ def load_torch_dist(
             TorchDistLoadShardedStrategy(),
             strict=StrictHandling.RETURN_ALL,
         )
-    absent = sorted(key for key in absent if not _EXTRA_STATE.search(key))
+    absent = sorted(key for key in absent if not EXTRA_STATE.search(key))
     if absent:
         raise ConversionError(
             f"torch_dist checkpoint lacks {len(absent)} tensor(s) this model needs (e.g. {absent[0]}): "
@@ -506,12 +470,12 @@ def load_torch_dist(
     refuse_unused_keys(key for key in unused if key not in used_elsewhere)
     for i, chunk in enumerate(model):
         key = "model" if len(model) == 1 else f"model{i}"
-        weights = {name: value for name, value in loaded[key].items() if not _EXTRA_STATE.search(name)}
+        weights = {name: value for name, value in loaded[key].items() if not EXTRA_STATE.search(name)}
         result = chunk.load_state_dict(weights, strict=False)
         wrong = [
             name
             for name in result.missing_keys + result.unexpected_keys
-            if not _EXTRA_STATE.search(name) and name.rpartition(".")[0] not in streamed
+            if not EXTRA_STATE.search(name) and name.rpartition(".")[0] not in streamed
         ]
         if wrong:
             raise ConversionError(f"torch_dist weights do not fit the model: {wrong[:3]} ({len(wrong)} in all)")

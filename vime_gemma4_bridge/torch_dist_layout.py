@@ -1,0 +1,50 @@
+"""How a torch_dist checkpoint is laid out: the model's sharded state dict as Megatron saves it, the keys that
+are not weights, and the conversion error (shared by both directions).
+
+Kept apart from :mod:`vime_gemma4_bridge.torch_dist` (the commands and jobs) so that the streaming
+export, which those jobs use, reads the same layout without importing them back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+#: torch_dist keys that are not model weights (training checkpoints carry them; export ignores them).
+NON_MODEL_KEY = re.compile(r"^(optimizer|rng_state|rerun_state_machine|common_state)|\.?optimizer\.")
+#: TE's FP8 metadata objects (``_extra_state<k>``): never weights.
+EXTRA_STATE = re.compile(r"_extra_state\d*$")
+
+
+class ConversionError(ValueError):
+    """A conversion cannot proceed (one line: what is wrong and what to do)."""
+
+
+def refuse_unused_keys(keys: Iterable[str]) -> None:
+    """Raise :class:`ConversionError` if any of these torch_dist keys is a model weight nothing loaded.
+
+    Optimizer, RNG and common state (training checkpoints) and TE's ``_extra_state`` are not weights.
+    """
+    unused = sorted(key for key in keys if not NON_MODEL_KEY.search(key) and not EXTRA_STATE.search(key))
+    if unused:
+        raise ConversionError(
+            f"torch_dist checkpoint holds {len(unused)} tensor(s) this model lacks (e.g. {unused[0]}): "
+            "it holds a different model than --hf-checkpoint"
+        )
+
+
+def sharded_state_dict(model: list) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``{"model": ...}`` (or ``model0``, ``model1``... with VPP) as Megatron saves it, and its metadata."""
+    from megatron.core import parallel_state
+
+    # The content metadata of Megatron-Bridge's / Megatron-LM's ``_build_sharded_state_dict_metadata``
+    # (no distributed optimizer): the keys a training run's load expects.
+    metadata = {
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+    }
+    if len(model) == 1:
+        return {"model": model[0].sharded_state_dict(metadata=metadata)}, metadata
+    return {f"model{i}": chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(model)}, metadata
