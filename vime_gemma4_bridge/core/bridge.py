@@ -261,6 +261,56 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
             return True
         return projection == "v" and bool(getattr(text, "attention_k_eq_v", False)) and text.layer_types[layer] == FULL
 
+    def _accumulate_grouped_export(
+        self,
+        task: Any,
+        converted_weights_dict: dict,
+        model_config: Any,
+        grouped_buffers: dict,
+        hf_state_dict: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> dict | None:
+        """Stack each expert into its layer's tensor as it arrives, instead of buffering all then stacking.
+
+        Megatron-Bridge keeps every converted expert of a layer until the last one arrives, then
+        copies them into a stacked tensor: two copies of a layer's experts at the peak. Writing each
+        expert into a preallocated ``[E, ...]`` tensor keeps one (plus the expert in flight), which
+        is what bounds the live export's memory to a chunk plus one layer's stacked experts. Same
+        placement rule as upstream (the expert's global number; under EP the gathered ``[EP, ...]``
+        value holds that local expert of every EP rank). A build that calls this hook with other
+        arguments, and mappings that transpose on export, keep upstream's path.
+        """
+        if args or kwargs or getattr(task.mapping, "transpose_on_export", False):
+            return super()._accumulate_grouped_export(
+                task, converted_weights_dict, model_config, grouped_buffers, hf_state_dict, *args, **kwargs
+            )
+        from megatron.bridge.utils.common_utils import extract_expert_number_from_param
+        from megatron.core import parallel_state
+
+        ep_size = parallel_state.get_expert_model_parallel_world_size()
+        num_experts = model_config.num_moe_experts
+        per_rank = num_experts // ep_size
+        try:
+            local = extract_expert_number_from_param(task.param_name) % per_rank
+        except ValueError:
+            return None
+        complete = {}
+        for key, value in converted_weights_dict.items():
+            gathered = ep_size > 1 and value.ndim > 0 and value.shape[0] == ep_size
+            slots = [local + rank * per_rank for rank in range(ep_size)] if gathered else [local]
+            pieces = value if gathered else value.unsqueeze(0)
+            entry = grouped_buffers.get(key)
+            if entry is None:
+                stack = torch.empty((num_experts, *pieces.shape[1:]), dtype=pieces.dtype, device=pieces.device)
+                entry = grouped_buffers[key] = {"stack": stack, "filled": set()}
+            for slot, piece in zip(slots, pieces, strict=True):
+                entry["stack"][slot].copy_(piece)
+                entry["filled"].add(slot)
+            if len(entry["filled"]) == num_experts:
+                complete[key] = grouped_buffers.pop(key)["stack"]
+        return complete or None
+
     def stream_weights_megatron_to_hf(self, megatron_model: Any, hf_pretrained: Any, *args: Any, **kwargs: Any):
         """Upstream export, after proving the tied output layer still equals the embedding."""
         check_tied_embeddings(megatron_model)
