@@ -328,6 +328,14 @@ def test_disk_full_is_one_line_and_leaves_nothing(good, tmp_path, command) -> No
     assert digest(good) == before
 
 
+def test_debug_shows_the_traceback_of_a_failure(good, tmp_path) -> None:
+    with small_filesystem(tmp_path / "fs", "size=300k") as fs:
+        proc = run_cli("roundtrip", "--hf-checkpoint", str(good), "--output", str(fs / "out"), "--debug")
+        assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
+        assert "No space left on device" in proc.stderr.splitlines()[-1]
+        assert list(fs.iterdir()) == []
+
+
 @pytest.mark.parametrize("command", ["roundtrip", "import", "export-live"])
 def test_unwritable_output_is_refused_before_launch(good, tmp_path, capsys, command) -> None:
     """A read-only file system stands in for permission denied (root ignores file modes)."""

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from vime_gemma4_bridge.digest import tensor_digest
 from vime_gemma4_bridge.distributed import (
     Topology,
     add_launch_arguments,
@@ -109,16 +110,6 @@ class Fingerprint:
 
     def __str__(self) -> str:
         return f"{self.short} (mean={self.mean:+.3g} std={self.std:.3g} absmax={self.absmax:.3g})"
-
-
-def tensor_digest(tensor: torch.Tensor) -> str:
-    """blake2b-64 of dtype, shape and raw bytes: bitwise-equal tensors and only they share it."""
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
-    digest = hashlib.blake2b(digest_size=8)
-    digest.update(f"{flat.dtype}|{tuple(tensor.shape)}|".encode())
-    if flat.numel():
-        digest.update(memoryview(flat.view(torch.uint8).numpy()))
-    return digest.hexdigest()
 
 
 def _stats(tensor: torch.Tensor) -> tuple[float, float, float]:

@@ -20,7 +20,6 @@ HF-named tensors out of Megatron-Bridge's export. This module is that stream for
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
 import shutil
@@ -32,6 +31,7 @@ from typing import Any
 
 import torch
 
+from vime_gemma4_bridge.digest import tensor_digest
 from vime_gemma4_bridge.distributed import (
     Topology,
     add_launch_arguments,
@@ -93,14 +93,6 @@ def chunk_by_bytes(weights: Iterable[NamedWeight], max_bytes: int) -> Iterator[l
         size += nbytes
     if chunk:
         yield chunk
-
-
-def fingerprint(tensor: torch.Tensor) -> str:
-    """A short content hash (dtype, shape and bytes) that tells tensors apart in reports."""
-    data = tensor.detach().cpu().contiguous()
-    digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
-    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    return digest.hexdigest()[:12]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -270,7 +262,8 @@ def verify_update(hf_checkpoint: str | Path, dump: str | Path) -> dict[str, Any]
                     )
                 elif not torch.equal(got, ref):
                     problems.append(
-                        f"{name}: values differ (fingerprint {fingerprint(got)} pushed, {fingerprint(ref)} expected, "
+                        f"{name}: values differ (fingerprint {tensor_digest(got)} pushed, "
+                        f"{tensor_digest(ref)} expected, "
                         f"max |Δ|={(got.double() - ref.double()).abs().max().item():.3g})"
                     )
                 else:

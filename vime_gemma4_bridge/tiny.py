@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vime_gemma4_bridge.digest import tensor_digest
+
 if TYPE_CHECKING:
     from transformers import (
         Gemma4Config,
@@ -347,12 +349,6 @@ def _draw(name: str, shape: torch.Size, seed: int, salt: int) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=torch.float32) / fan_in**0.5
 
 
-def _fingerprint(t: torch.Tensor) -> bytes:
-    """Exact identity of a tensor's flattened contents (dtype included)."""
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return str(t.dtype).encode() + b":" + hashlib.sha256(raw).digest()
-
-
 def _own_problems(name: str, t: torch.Tensor) -> list[str]:
     """Problems of one tensor on its own: non-finite, constant, or repeated slices."""
     problems = []
@@ -364,9 +360,9 @@ def _own_problems(name: str, t: torch.Tensor) -> list[str]:
     if flat.numel() == 1 and flat.item() in (0.0, 1.0):
         problems.append(f"{name}: scalar left at init value {flat.item()}")
     if t.dim() >= 3:  # stacked experts [E, ...] and the vision position table [2, ...]
-        seen: dict[bytes, int] = {}
+        seen: dict[str, int] = {}
         for i in range(t.shape[0]):
-            fp = _fingerprint(t[i])
+            fp = tensor_digest(t[i], with_shape=False)
             if fp in seen:
                 problems.append(f"{name}: slices {seen[fp]} and {i} are equal")
             seen.setdefault(fp, i)
@@ -383,11 +379,11 @@ def assert_all_distinct(state_dict: Mapping[str, torch.Tensor]) -> None:
     read-back, and by the tests: a checkpoint that fails is never published.
     """
     problems: list[str] = []
-    owners: dict[bytes, str] = {}
+    owners: dict[str, str] = {}
     for name in sorted(state_dict):
         t = state_dict[name]
         problems += _own_problems(name, t)
-        fp = _fingerprint(t)
+        fp = tensor_digest(t, with_shape=False)
         if fp in owners:
             problems.append(f"{name} equals {owners[fp]}")
         owners.setdefault(fp, name)
@@ -423,13 +419,13 @@ def randomize_(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     Returns the saved tensors (tied aliases dropped) by name.
     """
     tensors = _saved_tensors(model)
-    owners: set[bytes] = set()
+    owners: set[str] = set()
     with torch.no_grad():
         for name in sorted(tensors):
             target = tensors[name]
             for salt in range(_MAX_REDRAWS):
                 value = _draw(name, target.shape, seed, salt).to(target.dtype)
-                fp = _fingerprint(value)
+                fp = tensor_digest(value, with_shape=False)
                 if fp not in owners and not _own_problems(name, value):
                     break
             else:  # pragma: no cover - needs a pathological spec (e.g. a 1-element tensor per layer in int8)
