@@ -124,22 +124,6 @@ def allow_run_config_targets() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def tensor_signature(checkpoint: Any, names: Sequence[str]) -> dict[str, list]:
-    """``{name: [shape, dtype]}`` of HF tensors, read from the safetensors headers (no tensor data)."""
-    from safetensors import safe_open
-
-    by_file: dict[str, list[str]] = {}
-    for name in names:
-        by_file.setdefault(checkpoint.weight_map[name], []).append(name)
-    signature: dict[str, list] = {}
-    for file, file_names in by_file.items():
-        with safe_open(checkpoint.path / file, framework="pt") as handle:
-            for name in file_names:
-                piece = handle.get_slice(name)
-                signature[name] = [list(piece.get_shape()), str(piece.get_dtype())]
-    return {name: signature[name] for name in names}
-
-
 class TorchDistCheckpoint:
     """A torch_dist checkpoint on disk, checked before any rank starts.
 
@@ -235,7 +219,7 @@ class TorchDistCheckpoint:
         if self.sidecar is not None:
             _check_text_config(self.sidecar.get("hf_config") or {}, source.config, self.path, source.path, hint)
             ours = self.sidecar.get("language_model") or {}
-            theirs = tensor_signature(source, source.language_model_names())
+            theirs = source.signatures(source.language_model_names())
             for name in sorted(set(ours) | set(theirs)):
                 if name not in theirs:
                     raise ConversionError(
@@ -585,7 +569,7 @@ def import_job(hf_checkpoint: str, save: str, partial: str, topology: Topology) 
             result: dict[str, Any] | None = None
             if rank0:
                 source = hf_io.HFCheckpoint(hf_checkpoint)
-                signature = tensor_signature(source, source.language_model_names())
+                signature = source.signatures(source.language_model_names())
                 _write_run_config(get_model_config(model[0]), work / ITERATION_DIR / RUN_CONFIG_NAME)
                 sidecar = {
                     "format": SIDECAR_FORMAT,
@@ -675,7 +659,7 @@ def export_job(
         result: dict[str, Any] | None = None
         if rank0:
             source = hf_io.HFCheckpoint(hf_checkpoint)
-            _check_exported(exported, tensor_signature(source, source.language_model_names()))
+            _check_exported(exported, source.signatures(source.language_model_names()))
             with phases("write", f"writing {output}"):
                 written = hf_io.write_hf_checkpoint(
                     output, exported, source, max_shard_size=max_shard_size, force=force
@@ -821,13 +805,6 @@ def _refuse(args: argparse.Namespace, error: Exception) -> int:
     return 2
 
 
-def _failure(args: argparse.Namespace, error: BaseException) -> int:
-    """One line for a failure inside the ranks (every traceback too with ``--debug``); exit status 1."""
-    from vime_gemma4_bridge import errors
-
-    return errors.report(args.prog, error, debug=getattr(args, "debug", False))
-
-
 def _report(args: argparse.Namespace, result: Mapping[str, Any]) -> None:
     if not is_reporting_process():
         return
@@ -875,7 +852,7 @@ def run_import(args: argparse.Namespace) -> int:
         return errors.interrupted_status(interrupt)
     except BaseException as error:  # noqa: BLE001 (a rank failed; the world is gone)
         shutil.rmtree(partial, ignore_errors=True)
-        return _failure(args, error)
+        return errors.report(args.prog, error, debug=args.debug)
     _report(args, results[0])
     return 0
 
@@ -905,7 +882,7 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"{args.prog}: interrupted; {out} was not written", file=sys.stderr)
         return errors.interrupted_status(interrupt)
     except BaseException as error:  # a rank failed; the world is gone
-        return _failure(args, error)
+        return errors.report(args.prog, error, debug=args.debug)
     _report(args, results[0])
     return 0
 
