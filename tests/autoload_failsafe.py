@@ -29,7 +29,8 @@ assert "vime_gemma4_bridge" in sys.modules, "the .pth did not load the plugin"
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from vime_gemma4_bridge.distributed import Topology, init_model_parallel, single_process_group  # noqa: E402
+from vime_gemma4_bridge.convert.topology import Topology, init_model_parallel  # noqa: E402
+from vime_gemma4_bridge.runtime.group import single_process_group  # noqa: E402
 
 with single_process_group("gloo"):
     init_model_parallel(Topology())

@@ -1,7 +1,7 @@
 """Shared fixtures.
 
 Rank processes are expensive (each imports megatron.bridge: ~1 GB RSS, ~10 s), so tests share
-one :class:`~vime_gemma4_bridge.distributed.LocalWorld` per session and re-initialise
+one :class:`~vime_gemma4_bridge.runtime.world.LocalWorld` per session and re-initialise
 megatron-core's parallel state per topology inside it.
 """
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from vime_gemma4_bridge.distributed import LocalWorld
+    from vime_gemma4_bridge.runtime.world import LocalWorld
 
 #: Seconds a world waits for the other ranks after one failed; short, tests provoke failures.
 TEST_ERROR_GRACE = 2.0
@@ -27,7 +27,7 @@ def local_world() -> Iterator[Callable[[int], LocalWorld]]:
     current world first. A world killed by a failing test respawns on its next ``run``. All are
     closed at the end of the session.
     """
-    from vime_gemma4_bridge.distributed import LocalWorld
+    from vime_gemma4_bridge.runtime.world import LocalWorld
 
     current: list[LocalWorld] = []
 
@@ -48,7 +48,7 @@ def local_world() -> Iterator[Callable[[int], LocalWorld]]:
 
 
 #: Modules whose tests without rank processes (no ``local_world``) make up the fast unit layer.
-FAST_MODULES = {"test_units", "test_doctor", "test_seams", "test_tiny"}
+FAST_MODULES = {"test_units", "test_doctor", "test_seams", "test_tiny", "test_stream_export"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -25,8 +25,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from vime_gemma4_bridge import cli
-from vime_gemma4_bridge.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.cli import main as cli
+from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
 
 EXPERTS = "model.language_model.layers.0.experts.down_proj"
 

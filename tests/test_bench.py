@@ -14,11 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from vime_gemma4_bridge import bench, cli, hf_io
+from vime_gemma4_bridge import bench, hf_io
+from vime_gemma4_bridge.cli import main as cli
 
 LAST_LINE = re.compile(
     r"^export_vs_reference=(?P<export>[0-9.]+) import_vs_reference=(?P<import>[0-9.]+) "
-    r"live_peak_extra_mb=(?P<live>[0-9.]+) layer_experts_mb=(?P<experts>[0-9.]+)$"
+    r"live_vs_copy=(?P<live_vs_copy>[0-9.]+) live_peak_extra_mb=(?P<live>[0-9.]+) "
+    r"layer_experts_mb=(?P<experts>[0-9.]+) import_peak_extra_mb=(?P<import_peak>[0-9.]+) "
+    r"export_peak_extra_mb=(?P<export_peak>[0-9.]+)$"
 )
 
 
@@ -51,7 +54,7 @@ def test_bench_runs_and_prints_the_headline_last(local_world, tmp_path: Path, ca
     result = bench.run_bench(
         [0.003], [1], buffer_size=1_000_000, workdir=tmp_path / "work", world_for=local_world, log=lambda _: None
     )
-    assert [s.step for s in result.steps] == ["reference", "import", "export", "live"]
+    assert [s.step for s in result.steps] == ["reference", "live", "copy", "import", "export"]
     for step in result.steps:
         assert step.seconds > 0 and step.cpu > 0 and step.peak_rss > 0 and step.gb_per_s > 0, step
     lines = bench.format_report(result)

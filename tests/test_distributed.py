@@ -1,4 +1,4 @@
-"""Tests of vime_gemma4_bridge.distributed: topologies, megatron-core re-initialisation, LocalWorld failures.
+"""Tests of runtime/ and convert/topology.py: topologies, megatron-core re-initialisation, LocalWorld failures.
 
 Rank start-up dominates the time (each rank imports megatron.bridge), so the topology test
 re-initialises many topologies in one 4-rank world, and the failure tests share a 2-rank
@@ -15,17 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from vime_gemma4_bridge.distributed import (
-    LocalWorld,
-    RankError,
-    Topology,
-    WorldTimeoutError,
-    add_launch_arguments,
-    in_torchrun,
-    init_model_parallel,
-    launch,
-    parallel_layout,
-)
+from vime_gemma4_bridge.convert.topology import Topology, init_model_parallel, parallel_layout
+from vime_gemma4_bridge.runtime.group import in_torchrun
+from vime_gemma4_bridge.runtime.launch import add_launch_arguments, launch
+from vime_gemma4_bridge.runtime.world import LocalWorld, RankError, WorldTimeoutError
 
 # --------------------------------------------------------------------------------------------
 # Job functions: module level, so that the ranks can unpickle them by reference.
@@ -372,7 +365,7 @@ def test_launch_under_torchrun_environment(monkeypatch: pytest.MonkeyPatch) -> N
         assert layout["world_size"] == 1 and layout["rank"] == 0
         assert dist.is_initialized(), "under torchrun the process group belongs to the job"
     finally:
-        from vime_gemma4_bridge.distributed import reset_model_parallel
+        from vime_gemma4_bridge.compat.parallel_state import reset_model_parallel
 
         if dist.is_initialized():
             reset_model_parallel()

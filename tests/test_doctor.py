@@ -20,9 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vime_gemma4_bridge import doctor
-from vime_gemma4_bridge.distributed import Topology
-from vime_gemma4_bridge.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.cli import compare as compare_command
+from vime_gemma4_bridge.cli import probe as probe_command
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.verify import probe
+from vime_gemma4_bridge.verify.report import ep_boundary_pairs
 
 SPEC = TinySpec()  # VL, MoE: 4 layers (sliding, full, sliding, full), 16 experts, bf16
 E = SPEC.experts
@@ -50,7 +53,7 @@ def compare(a: Path, b: Path, *options: str) -> tuple[int, str]:
     import io
 
     parser = argparse.ArgumentParser()
-    doctor.add_parser(parser.add_subparsers())
+    compare_command.add_parser(parser.add_subparsers())
     args = parser.parse_args(["compare", str(a), str(b), *options])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -289,10 +292,10 @@ def test_bad_input_exits_2(hf1: Path, tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_registered_in_cli(hf1: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from vime_gemma4_bridge.cli import build_parser
+    from vime_gemma4_bridge.cli.main import build_parser
 
-    assert build_parser().parse_args(["compare", str(hf1), str(hf1)]).func is doctor.run_compare
-    assert build_parser().parse_args(["probe", "--hf-checkpoint", str(hf1)]).func is doctor.run_probe
+    assert build_parser().parse_args(["compare", str(hf1), str(hf1)]).func is compare_command.run
+    assert build_parser().parse_args(["probe", "--hf-checkpoint", str(hf1)]).func is probe_command.run
 
 
 # ------------------------------------------------------------------------------------- probe
@@ -303,10 +306,10 @@ PROBE_TOPOLOGIES = [Topology(tp=2, pp=2, ep=2), Topology(tp=2, ep=2, etp=2)]
 
 @pytest.mark.parametrize("topology", PROBE_TOPOLOGIES, ids=str)
 def test_probe_all_stages_ok(local_world, hf1: Path, topology: Topology) -> None:
-    results = local_world(4).run(doctor.probe_job, str(hf1), topology, None, None)
+    results = local_world(4).run(probe.probe_job, str(hf1), topology, None, None)
     result = results[0]
-    assert result["ok"], doctor.format_probe(result)
-    boundary = {e for pair in doctor.ep_boundary_pairs(E, topology.ep) for e in pair}
+    assert result["ok"], probe.format_probe(result)
+    boundary = {e for pair in ep_boundary_pairs(E, topology.ep) for e in pair}
     assert {entry["expert"] for entry in result["entries"]} == boundary | {0, E - 1}
     assert {entry["layer"] for entry in result["entries"]} == set(range(SPEC.layers))
     for entry in result["entries"]:
@@ -316,7 +319,7 @@ def test_probe_all_stages_ok(local_world, hf1: Path, topology: Topology) -> None
                 assert row[kind]["status"] == expected, (entry["layer"], entry["expert"], row)
         final = entry["stages"][-1]
         assert final["gate_up_proj"]["fingerprints"] == [entry["source"]["gate_up_proj"]["digest"][:10]]
-    text = doctor.format_probe(result)
+    text = probe.format_probe(result)
     assert text.splitlines()[-1].startswith("probe OK: ")
 
 
@@ -335,7 +338,7 @@ def _probe_with_the_reported_ep_bug(hf_checkpoint: str, topology: Topology, expe
 
     param_mapping.MegatronParamMapping.gather_from_ep_ranks = broken
     try:
-        return doctor.probe_job(hf_checkpoint, topology, experts, layers)
+        return probe.probe_job(hf_checkpoint, topology, experts, layers)
     finally:
         param_mapping.MegatronParamMapping.gather_from_ep_ranks = original
 
@@ -351,4 +354,4 @@ def test_probe_flags_the_ep_gather_first(local_world, hf1: Path) -> None:
     assert "expert 0" in bad["first_mismatch"]
     status = {row["stage"]: row["down_proj"]["status"] for row in bad["stages"]}
     assert status == {"local": "ok", "pp": "ok", "etp": "skipped", "ep": "MISMATCH", "final": "MISMATCH"}
-    assert doctor.format_probe(result).splitlines()[-1].startswith("probe FAILED: ")
+    assert probe.format_probe(result).splitlines()[-1].startswith("probe FAILED: ")

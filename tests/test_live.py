@@ -10,12 +10,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from vime_gemma4_bridge import cli
-from vime_gemma4_bridge.distributed import Topology
+from vime_gemma4_bridge.cli import main as cli
+from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.hf_io import HFCheckpoint
 from vime_gemma4_bridge.live import chunk_by_bytes, export_live_job, verify_update
-from vime_gemma4_bridge.parity import excluded_token_ids, fixed_token_ids
-from vime_gemma4_bridge.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.verify.parity import excluded_token_ids, fixed_token_ids
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,8 @@ def hf_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _names_job(hf_checkpoint: str, topology: Topology) -> list[tuple[str, str, tuple[int, ...], str]]:
-    from vime_gemma4_bridge import convert
-    from vime_gemma4_bridge.distributed import init_model_parallel
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
     from vime_gemma4_bridge.live import iter_hf_weights
 
     init_model_parallel(topology)

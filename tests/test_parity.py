@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vime_gemma4_bridge.distributed import Topology
-from vime_gemma4_bridge.parity import FLOAT32_MAX_ABS_TOLERANCE, parity_job
-from vime_gemma4_bridge.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.verify.parity import FLOAT32_MAX_ABS_TOLERANCE, parity_job
 
 CHECKPOINTS = {
     "moe-vl": TinySpec(dtype="float32"),

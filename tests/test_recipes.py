@@ -7,8 +7,8 @@ Gemma 4 26B-A4B configuration: a topology the plugin and Megatron accept, bridge
 switched on, a consistent rollout layout, and for the reported 4x8 layout the disk transport with the
 bitwise weight-update check.
 
-Only one test imports Megatron (``vime_gemma4_bridge.convert`` needs ``megatron.bridge``), and one the
-Megatron argument parser; everything else is bash + shlex and takes milliseconds per recipe.
+Only one test imports the Megatron argument parser (``vime_gemma4_bridge.convert.topology`` imports no
+torch); everything else is bash + shlex and takes milliseconds per recipe.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from vime_gemma4_bridge.distributed import Topology
+from vime_gemma4_bridge.convert.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -368,12 +368,7 @@ def test_model_flags_equal_the_26b_config(name: str, env: dict, dry_run) -> None
 
 @pytest.fixture(scope="module")
 def validate_model_topology() -> Callable:
-    # Imports torch and megatron.bridge: the one slow import of this module.
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Apex / Transformer Engine absent on CPU hosts
-        from vime_gemma4_bridge.convert import validate_model_topology
+    from vime_gemma4_bridge.convert.topology import validate_model_topology
 
     return validate_model_topology
 
@@ -405,7 +400,7 @@ def test_actor_topology_fits_the_26b_model(name: str, env: dict, dry_run, valida
 
 def test_an_impossible_topology_is_caught(dry_run, validate_model_topology) -> None:
     """The checks above do reject a layout the model cannot take (EP3: 128 experts do not split in 3)."""
-    from vime_gemma4_bridge.convert import TopologyError
+    from vime_gemma4_bridge.convert.topology import TopologyError
 
     run = dry_run(DISAGGREGATED, EP="3", ETP="1")
     with pytest.raises(TopologyError, match="experts"):

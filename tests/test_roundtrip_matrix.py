@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vime_gemma4_bridge.distributed import Topology
-from vime_gemma4_bridge.roundtrip import roundtrip_job
-from vime_gemma4_bridge.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.verify.roundtrip import roundtrip_job
 
 CHECKPOINTS = {
     "moe-vl": TinySpec(),
@@ -74,7 +74,7 @@ def test_roundtrip_is_bitwise(local_world, tiny_checkpoints, world: int, topolog
 def test_report_names_the_original_bug(tiny_checkpoints) -> None:
     """Planting the reported fault (expert 0 copied over expert E/EP) is caught by name."""
     from vime_gemma4_bridge.hf_io import HFCheckpoint
-    from vime_gemma4_bridge.report import compare
+    from vime_gemma4_bridge.verify.report import compare
 
     source = HFCheckpoint(tiny_checkpoints["moe-causal"])
     reference = source.load(source.language_model_names())

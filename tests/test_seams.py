@@ -60,7 +60,7 @@ def test_cpu_safe_auto_mapping_without_pg_collection() -> None:
 def test_env_names_versions_and_vime_readiness(capsys) -> None:
     import importlib.metadata
 
-    from vime_gemma4_bridge import cli
+    from vime_gemma4_bridge.cli import main as cli
 
     assert cli.main(["env"]) == 0
     out = capsys.readouterr().out.splitlines()

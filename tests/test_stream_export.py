@@ -69,3 +69,29 @@ def test_a_lazy_tensor_of_the_wrong_size_is_refused(tmp_path: Path) -> None:
     short = hf_io.LazyTensor((4, 2), torch.float32, lambda: iter([torch.zeros(3, 2)]))
     with pytest.raises(hf_io.CheckpointError, match="expected 32"):
         hf_io.save_safetensors(tmp_path / "x.safetensors", [("short", short)], metadata={})
+
+
+def test_tensor_locations_are_the_safetensors_bytes(tmp_path: Path) -> None:
+    """``HFCheckpoint.locate`` (the streaming import's reader) finds exactly the bytes safetensors reads."""
+    from safetensors.torch import save_file
+
+    tensors = {"model.language_model.a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int16)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text('{"architectures": ["Gemma4ForCausalLM"]}')
+    source = hf_io.HFCheckpoint(tmp_path)
+    for name, tensor in tensors.items():
+        location = source.locate(name)
+        assert (location.shape, location.dtype, location.nbytes) == (tuple(tensor.shape), tensor.dtype, tensor.nbytes)
+        assert torch.equal(location.mapped(), tensor)
+        with open(location.file, "rb") as handle:
+            handle.seek(location.offset)
+            assert handle.read(location.nbytes) == tensor.numpy().tobytes()
+
+
+def test_expert_files_are_cut_in_order_by_bytes() -> None:
+    from vime_gemma4_bridge.stream_import import _balanced
+
+    sizes = {"a": 4, "b": 4, "c": 1, "d": 3, "e": 4}
+    assert _balanced(list(sizes), sizes.__getitem__, 2) == [["a", "b"], ["c", "d", "e"]]
+    assert _balanced(list(sizes), sizes.__getitem__, 1) == [list(sizes)]
+    assert _balanced(["a"], sizes.__getitem__, 4) == [["a"]]

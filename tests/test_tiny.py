@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vime_gemma4_bridge import cli
-from vime_gemma4_bridge.tiny import TinySpec, assert_all_distinct, write_tiny_checkpoint
+from vime_gemma4_bridge.cli import main as cli
+from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.testing.weights import assert_all_distinct
 
 VOCAB = TinySpec().vocab_size
 IMAGE_TOKEN, BOI, EOI = 7, 5, 6

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from vime_gemma4_bridge.distributed import RankError, Topology
-from vime_gemma4_bridge.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.runtime.world import RankError
+from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
 from vime_gemma4_bridge.torch_dist import (
     ITERATION_DIR,
     RUN_CONFIG_NAME,
@@ -84,7 +85,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def assert_same_checkpoint(source: Path, output: Path, *, ep: int = 2) -> None:
     """Every tensor of ``output`` bitwise equal to ``source`` (language model and vision tower), same side files."""
-    from vime_gemma4_bridge import hf_io, report
+    from vime_gemma4_bridge import hf_io
+    from vime_gemma4_bridge.verify import report
 
     reference, candidate = hf_io.HFCheckpoint(source), hf_io.HFCheckpoint(output)
     result = report.compare(reference.load(), candidate.load(), ep=ep)
@@ -112,7 +114,7 @@ def leftovers(out: Path) -> list[str]:
 
 
 def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str, float]:
-    from vime_gemma4_bridge import cli
+    from vime_gemma4_bridge.cli import main as cli
 
     capsys.readouterr()
     start = time.monotonic()
@@ -160,7 +162,7 @@ def variant(source: Path, out: Path, *, text: dict | None = None, top: dict | No
 @pytest.fixture(scope="module")
 def single_rank(checkpoints, tmp_path_factory) -> dict:
     """``vime-gemma4 import`` then ``export`` with one rank in this process (no --nproc, no torchrun)."""
-    from vime_gemma4_bridge import cli
+    from vime_gemma4_bridge.cli import main as cli
 
     root = tmp_path_factory.mktemp("single")
     hf = checkpoints["moe-vl"]
@@ -498,8 +500,10 @@ def _provider_rebuild_job(save: str, hf_checkpoint: str, topology: Topology) -> 
     """Build the model from run_config.yaml alone (as Megatron-Bridge's loader does), load, export, compare."""
     import torch.distributed as dist
 
-    from vime_gemma4_bridge import convert, hf_io, report, torch_dist
-    from vime_gemma4_bridge.distributed import init_model_parallel
+    from vime_gemma4_bridge import hf_io, torch_dist
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+    from vime_gemma4_bridge.verify import report
 
     init_model_parallel(topology)
     iteration_dir = Path(save) / ITERATION_DIR
@@ -592,6 +596,137 @@ def test_failed_import_leaves_nothing(local_world, checkpoints, tmp_path: Path) 
             _import_failing_after_save, str(checkpoints["moe-vl"]), str(save), str(partial), Topology(ep=2)
         )
     assert not save.exists() and not partial.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def _import_general_path(hf_checkpoint: str, save: str, partial: str, topology: Topology) -> dict:
+    """import_job with the streaming plan declined: megatron-core saves every expert itself (the reference)."""
+    from vime_gemma4_bridge import stream_import, torch_dist
+
+    original = stream_import.plan_import
+    stream_import.plan_import = lambda *args: None
+    try:
+        return torch_dist.import_job(hf_checkpoint, save, partial, topology)
+    finally:
+        stream_import.plan_import = original
+
+
+def assert_same_torch_dist(reference: Path, candidate: Path) -> None:
+    """The same PyTorch checkpoint metadata (keys, shapes, dtypes, chunks, items, plans) and every chunk bitwise."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from vime_gemma4_bridge.stream_export import TorchDistReader
+
+    def layout(path: Path) -> tuple[dict, set, set]:
+        metadata = FileSystemReader(str(path)).read_metadata()
+        tensors = {
+            key: (
+                type(meta).__name__,
+                tuple(getattr(meta, "size", ())),
+                str(getattr(meta, "properties", "")),
+                sorted((tuple(c.offsets), tuple(c.sizes)) for c in getattr(meta, "chunks", ())),
+            )
+            for key, meta in metadata.state_dict_metadata.items()
+        }
+        items = {(index.fqn, tuple(index.offset or ())) for index in metadata.storage_data}
+        planned = {
+            (item.index.fqn, tuple(item.index.offset or ())) for plan in metadata.all_local_plans for item in plan.items
+        }
+        return tensors, items, planned
+
+    assert layout(reference) == layout(candidate)
+    a, b = TorchDistReader(reference), TorchDistReader(candidate)
+    tensors = layout(reference)[0]
+    for key in a.tensor_keys():
+        for offsets, sizes in tensors[key][3]:
+            assert a.read(key, offsets, sizes).equal(b.read(key, offsets, sizes)), (key, offsets)
+
+
+@pytest.mark.parametrize("checkpoint", ["moe-vl", "causal-irregular-32E"])
+def test_default_topology_import_streams_experts_as_megatron_core_saves_them(
+    local_world, checkpoints, tmp_path, checkpoint
+) -> None:
+    """Streamed from the HF shards, the experts' torch_dist items and metadata are megatron-core's own, bitwise."""
+    world = local_world(2)
+    hf = str(checkpoints[checkpoint])
+    streamed = world.run(import_job, hf, str(tmp_path / "streamed"), str(tmp_path / ".s"), Topology())[0]
+    general = world.run(_import_general_path, hf, str(tmp_path / "general"), str(tmp_path / ".g"), Topology())[0]
+    assert streamed["experts_streamed"] and not general["experts_streamed"]
+    assert_same_torch_dist(tmp_path / "general" / ITERATION_DIR, tmp_path / "streamed" / ITERATION_DIR)
+    files = sorted(p.name for p in (tmp_path / "streamed" / ITERATION_DIR).glob("*.distcp"))
+    assert {"__0_experts_0.distcp", "__0_experts_1.distcp"} <= set(files), files  # written by the plan
+
+
+@pytest.fixture(scope="module")
+def streamed_import(local_world, checkpoints, tmp_path_factory) -> Path:
+    """The tiny VL checkpoint imported at the default topology on 2 ranks (experts streamed)."""
+    out = tmp_path_factory.mktemp("streamed") / "torch_dist"
+    report = local_world(2).run(import_job, str(checkpoints["moe-vl"]), str(out), str(out.parent / ".p"), Topology())
+    assert report[0]["experts_streamed"]
+    return out
+
+
+@pytest.mark.parametrize(
+    "loaded_at",
+    [Topology(tp=2), Topology(pp=2, vpp=2), Topology(ep=2), Topology(tp=2, etp=2), Topology()],
+    ids=str,
+)
+def test_streamed_import_loads_with_megatron_core_at_other_topologies(
+    local_world, checkpoints, streamed_import, tmp_path, loaded_at
+) -> None:
+    """megatron-core's own loader (every topology but the default, which reads chunks directly) gets it right."""
+    report = local_world(2).run(
+        export_job, str(streamed_import), str(checkpoints["moe-vl"]), str(tmp_path / "hf"), loaded_at, False, 10**9
+    )[0]
+    assert report["loader"] == ("direct" if loaded_at == Topology() else "dist_checkpointing")
+    assert_same_checkpoint(checkpoints["moe-vl"], tmp_path / "hf")
+
+
+def _import_with_expert0_altered(hf_checkpoint: str, save: str, partial: str, topology: Topology) -> dict:
+    """import_job where the mapping's expert 0 differs from the HF bytes (a mapping that is not a plain slice)."""
+    import torch
+
+    from vime_gemma4_bridge import stream_import, torch_dist
+
+    original = stream_import.ImportPlan.load
+
+    def load(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        with torch.no_grad():
+            first = next(iter(self.experts.groups.values()))[0].task.param_weight
+            first.view(-1)[0] += 1
+
+    stream_import.ImportPlan.load = load
+    try:
+        return torch_dist.import_job(hf_checkpoint, save, partial, topology)
+    finally:
+        stream_import.ImportPlan.load = original
+
+
+def _import_failing_in_save(hf_checkpoint: str, save: str, partial: str, topology: Topology) -> dict:
+    """import_job whose megatron-core save fails while the expert files are being written."""
+    from vime_gemma4_bridge import torch_dist
+
+    def fail(*args, **kwargs):
+        raise OSError("no space left on device (injected)")
+
+    original = torch_dist.save_torch_dist
+    torch_dist.save_torch_dist = fail
+    try:
+        return torch_dist.import_job(hf_checkpoint, save, partial, topology)
+    finally:
+        torch_dist.save_torch_dist = original
+
+
+@pytest.mark.parametrize(
+    ("job", "message"),
+    [(_import_with_expert0_altered, "is not a plain slice"), (_import_failing_in_save, "no space left")],
+    ids=["expert-0-check", "save-fails"],
+)
+def test_streaming_import_failures_leave_nothing(local_world, checkpoints, tmp_path, job, message) -> None:
+    save, partial = tmp_path / "ckpt", tmp_path / ".ckpt.partial-test"
+    with pytest.raises(RankError, match=message):
+        local_world(2).run(job, str(checkpoints["moe-vl"]), str(save), str(partial), Topology())
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 

@@ -38,9 +38,9 @@ autoload.register_before_first_dispatch(register, architectures=tuple(LANGUAGE_M
 
 #: Public names imported on first use, so that ``import vime_gemma4_bridge`` stays cheap.
 _LAZY = {
-    "Topology": "vime_gemma4_bridge.distributed",
-    "init_model_parallel": "vime_gemma4_bridge.distributed",
-    "build_model": "vime_gemma4_bridge.convert",
+    "Topology": "vime_gemma4_bridge.convert.topology",
+    "init_model_parallel": "vime_gemma4_bridge.convert.topology",
+    "build_model": "vime_gemma4_bridge.convert.model",
 }
 
 

@@ -61,8 +61,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vime_gemma4_bridge.distributed import LocalWorld, Topology
-from vime_gemma4_bridge.tiny import MIN_VOCAB_SIZE, TinySpec
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.runtime.world import LocalWorld
+from vime_gemma4_bridge.testing.tiny import TinySpec
+from vime_gemma4_bridge.testing.tokenizer import MIN_VOCAB_SIZE
 
 __all__ = [
     "BenchResult",
@@ -83,6 +85,11 @@ __all__ = [
 #: Targets of the performance issue; reported, never asserted.
 TARGET_CONVERSION_VS_REFERENCE = 1.5
 TARGET_DOUBLING_RATIO = 2.2
+TARGET_LIVE_VS_COPY = 3.0
+#: import / export peak extra RSS at ``--quick``: at most this plus one layer's stacked experts.
+TARGET_PEAK_EXTRA_BASE = 1536 * 10**6
+#: import / export peak extra RSS at twice the bytes (``--scaling``), over the first size's.
+TARGET_PEAK_DOUBLING = 1.2
 #: ``--quick``: one size at one rank, under two minutes on 2 cores. Big enough that the fixed costs
 #: of a conversion (parallel state, building the model, planning: ~0.5 s) do not swamp a reference
 #: that is one pass over page-cached bytes (0.4-1 s/GB here); 26B-A4B is 52 GB.
@@ -93,7 +100,7 @@ DEFAULT_NPROC = (1, 2, 4)
 #: 26B-A4B's hidden size: the synthetic model uses it when the size allows :data:`MIN_LAYERS` layers.
 FULL_HIDDEN = 2816
 MIN_LAYERS = 2
-_STEPS = ("reference", "import", "export", "live")
+_STEPS = ("reference", "import", "export", "live", "copy")
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,7 +287,13 @@ def _cpu_seconds() -> float:
 
 
 def _release_memory() -> None:
-    """Free what the previous step left (garbage, glibc's cached arenas) so each step starts from its own baseline."""
+    """Free what the previous step left (garbage, glibc's cached arenas) so each step starts from its own baseline.
+
+    And write the page cache's dirty pages to disk: a step that follows gigabytes of writes (the
+    reference's repeats, an import before the export) would otherwise be throttled by the kernel
+    to the disk's speed while it flushes the previous step's bytes (dirty_ratio), and measure that.
+    """
+    os.sync()
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -432,8 +445,8 @@ def live_job(hf_checkpoint: str, topology: Topology, buffer_size: int, quiet: bo
     """
     import torch.distributed as dist
 
-    from vime_gemma4_bridge import convert
-    from vime_gemma4_bridge.distributed import init_model_parallel
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
     from vime_gemma4_bridge.live import chunk_by_bytes, iter_hf_weights
 
     with _silenced(quiet):
@@ -454,9 +467,11 @@ def live_job(hf_checkpoint: str, topology: Topology, buffer_size: int, quiet: bo
                 del chunk  # pushed: the consumer lets it go before the next one is assembled
             dist.barrier()
             seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
+        copy = _copy_reference(bridge, model, buffer_size)
     return {
         "seconds": seconds,
         "cpu": cpu,
+        "copy": copy,
         "load_seconds": load_seconds,
         "peak_rss": memory.peak,
         "extra_rss": memory.extra,
@@ -466,6 +481,28 @@ def live_job(hf_checkpoint: str, topology: Topology, buffer_size: int, quiet: bo
         "bytes": nbytes,
         "largest_chunk": largest,
     }
+
+
+def _copy_reference(bridge: Any, model: Sequence[Any], buffer_size: int) -> dict[str, Any]:
+    """The live export's memory-speed yardstick: ``torch.clone`` of each tensor it yields, timed alone.
+
+    A second pass of the same stream; only the clones are timed (wall and this thread's CPU), each
+    dropped at once. Its peak extra memory is, by construction, the largest clone.
+    """
+    from vime_gemma4_bridge.live import chunk_by_bytes, iter_hf_weights
+
+    _release_memory()
+    seconds = cpu = 0.0
+    largest = 0
+    for chunk in chunk_by_bytes(iter_hf_weights(bridge, model, cpu=True), buffer_size):
+        for _, tensor, _ in chunk:
+            start, thread_cpu = time.perf_counter(), time.thread_time()
+            copied = tensor.clone()
+            seconds, cpu = seconds + time.perf_counter() - start, cpu + time.thread_time() - thread_cpu
+            largest = max(largest, copied.numel() * copied.element_size())
+            del copied
+        del chunk
+    return {"seconds": seconds, "cpu": cpu, "peak_rss": _rss_bytes(), "extra_rss": largest}
 
 
 # --------------------------------------------------------------------------------------------
@@ -549,10 +586,22 @@ class BenchResult:
         num, den = (measured.cpu, reference.cpu) if cpu else (measured.seconds, reference.seconds)
         return num / den if den > 0 else math.nan
 
-    def live_peak_extra(self) -> int:
-        """Peak RSS of the live export over the loaded model, at the first size and :attr:`headline_nproc`."""
+    def peak_extra(self, step: str, size: int | None = None) -> int:
+        """Peak extra RSS of ``step`` at ``size`` (default: the first) and :attr:`headline_nproc`."""
+        found = self.find(step, self.sizes[0] if size is None else size, self.headline_nproc)
+        return found.extra_rss if found else 0
+
+    def live_vs_copy(self) -> float:
+        """Live export wall time over the plain copy of the same weights, at the first size (headline nproc)."""
         live = self.find("live", self.sizes[0], self.headline_nproc)
-        return live.extra_rss if live else 0
+        copy = self.find("copy", self.sizes[0], self.headline_nproc)
+        return live.seconds / copy.seconds if live and copy and copy.seconds > 0 else math.nan
+
+    def peak_doubling(self, step: str) -> float:
+        """Peak extra RSS of ``step`` at the second size over the first's (``--scaling``: twice the bytes)."""
+        if len(self.sizes) < 2 or not self.peak_extra(step):
+            return math.nan
+        return self.peak_extra(step, self.sizes[1]) / self.peak_extra(step)
 
     def doubling(self, step: str, *, cpu: bool = False) -> float:
         """Time at the second size / at the first, at :attr:`headline_nproc` (wall, or CPU with ``cpu``).
@@ -646,6 +695,27 @@ def run_bench(
                     )
                     _cleanup(workdir / f"ref-{tag}", keep)
                     log(f"bench: {tag} reference {ref['seconds']:.2f} s")
+                # First: the conversions after it leave the ranks' heaps fragmented, which would be
+                # counted as the live export's memory (vime's actor runs it on a settled process).
+                results = world.run(live_job, str(source), topology, buffer_size, quiet)
+                live = results[0]
+                result.steps.append(
+                    _step(
+                        "live",
+                        nbytes,
+                        nproc,
+                        topology,
+                        results,
+                        {"build+load, untimed": round(live["load_seconds"], 3)},
+                        f"{live['chunks']} chunks, largest {live['largest_chunk'] / 1e6:.1f} MB, not written",
+                    )
+                )
+                log(f"bench: {tag} live {result.steps[-1].seconds:.2f} s")
+                copies = [r["copy"] for r in results]
+                result.steps.append(
+                    _step("copy", nbytes, nproc, topology, copies, {}, "torch.clone of each tensor live yields")
+                )
+                log(f"bench: {tag} copy {result.steps[-1].seconds:.2f} s")
                 save, output = workdir / f"td-{tag}", workdir / f"out-{tag}"
                 partial = workdir / f".td-{tag}.partial"
                 for path in (save, output, partial):
@@ -661,20 +731,6 @@ def run_bench(
                 _check_output(source, output)
                 _cleanup(save, keep)
                 _cleanup(output, keep)
-                results = world.run(live_job, str(source), topology, buffer_size, quiet)
-                live = results[0]
-                result.steps.append(
-                    _step(
-                        "live",
-                        nbytes,
-                        nproc,
-                        topology,
-                        results,
-                        {"build+load, untimed": round(live["load_seconds"], 3)},
-                        f"{live['chunks']} chunks, largest {live['largest_chunk'] / 1e6:.1f} MB, not written",
-                    )
-                )
-                log(f"bench: {tag} live {result.steps[-1].seconds:.2f} s")
     if not keep:
         for source in sources:
             shutil.rmtree(source, ignore_errors=True)
@@ -747,8 +803,8 @@ def format_report(result: BenchResult) -> list[str]:
     for step in result.steps:
         if step.step == "reference":
             ratio = "1.00"
-        elif step.step == "live":
-            ratio = "—"  # the live stream neither reads nor writes files: nothing like-for-like to compare
+        elif step.step in ("live", "copy"):
+            ratio = "—"  # in memory, no files: their yardstick is the copy (live_vs_copy)
         else:
             ratio = _fmt(result.ratio(step.step, step.size_bytes, step.nproc))
         lines.append(
@@ -764,8 +820,8 @@ def format_report(result: BenchResult) -> list[str]:
             lines.append(f"phases {step.step} {step.size_bytes / 1e9:.3f} GB nproc {step.nproc}: {phases}{note}")
     startup = ", ".join(f"nproc {n}: {s:.1f} s" for n, s in result.writer_startup.items())
     n = result.headline_nproc
-    export, imp = result.ratio("export"), result.ratio("import")
-    live_extra, experts = result.live_peak_extra(), result.layer_experts
+    export, imp, live_vs_copy = result.ratio("export"), result.ratio("import"), result.live_vs_copy()
+    live_extra, experts = result.peak_extra("live"), result.layer_experts
     live_limit = result.buffer_size + experts
     lines += [
         f"not counted: rank start-up and imports; torch_dist writer helper start-up ({startup})",
@@ -788,7 +844,21 @@ def format_report(result: BenchResult) -> list[str]:
             live_extra <= live_limit,
             f"{live_extra / 1e6:.1f} MB vs {result.buffer_size / 1e6:.1f} + {experts / 1e6:.1f} MB",
         ),
+        _target(
+            f"live <= {TARGET_LIVE_VS_COPY:g}x a plain copy",
+            live_vs_copy <= TARGET_LIVE_VS_COPY,
+            f"{_fmt(live_vs_copy)}x",
+        ),
     ]
+    for step in ("import", "export"):
+        extra = result.peak_extra(step)
+        lines.append(
+            _target(
+                f"{step} peak extra <= {TARGET_PEAK_EXTRA_BASE / 1e6:.0f} MB + one layer's experts",
+                extra <= TARGET_PEAK_EXTRA_BASE + experts,
+                f"{extra / 1e6:.1f} MB vs {TARGET_PEAK_EXTRA_BASE / 1e6:.0f} + {experts / 1e6:.1f} MB",
+            )
+        )
     if len(result.sizes) > 1:
         doubled = {step: result.doubling(step) for step in _STEPS}
         worst = max(doubled["import"], doubled["export"])
@@ -799,16 +869,29 @@ def format_report(result: BenchResult) -> list[str]:
                 f"{_fmt(worst)}x at {result.sizes[1] / result.sizes[0]:.3f}x the bytes, nproc {n}",
             )
         )
+        peaks = {step: result.peak_doubling(step) for step in ("import", "export")}
+        lines.append(
+            _target(
+                f"peak extra at {result.sizes[1] / result.sizes[0]:.3f}x the bytes <= {TARGET_PEAK_DOUBLING}x "
+                "(import, export)",
+                max(peaks.values()) <= TARGET_PEAK_DOUBLING,
+                ", ".join(f"{step} {_fmt(value)}x" for step, value in peaks.items()),
+            )
+        )
         by_cpu = {step: result.doubling(step, cpu=True) for step in _STEPS}
         lines.append(
             f"doubling_ratio={_fmt(worst, 3)} "
             + " ".join(f"doubling_ratio_{step}={_fmt(value, 3)}" for step, value in doubled.items())
             + f" doubling_ratio_cpu={_fmt(max(by_cpu['import'], by_cpu['export']), 3)} "
             + " ".join(f"doubling_ratio_cpu_{step}={_fmt(value, 3)}" for step, value in by_cpu.items())
+            + " "
+            + " ".join(f"peak_doubling_{step}={_fmt(value, 3)}" for step, value in peaks.items())
         )
     lines.append(
         f"export_vs_reference={_fmt(export, 3)} import_vs_reference={_fmt(imp, 3)} "
-        f"live_peak_extra_mb={live_extra / 1e6:.1f} layer_experts_mb={experts / 1e6:.1f}"
+        f"live_vs_copy={_fmt(live_vs_copy, 3)} live_peak_extra_mb={live_extra / 1e6:.1f} "
+        f"layer_experts_mb={experts / 1e6:.1f} import_peak_extra_mb={result.peak_extra('import') / 1e6:.1f} "
+        f"export_peak_extra_mb={result.peak_extra('export') / 1e6:.1f}"
     )
     return lines
 
@@ -825,12 +908,16 @@ DESCRIPTION = """\
 Measure conversion speed and memory against the physical limit on a synthetic Gemma 4 MoE
 checkpoint with 26B-A4B's proportions (experts ~90% of the bytes). For every --nproc, one set of
 local ranks runs: (a) the reference, a plain safetensors read of every tensor and a write of them to
-new files, in one process; (b) import HF -> torch_dist at EP = nproc; (c) export torch_dist -> HF
-at the default topology (routed experts streamed from torch_dist to the HF shards); (d) the live
-export (iter_hf_weights + chunk_by_bytes, chunks not written) on the loaded model. Each is timed
-inside the ranks (start-up and imports excluded) with its peak RSS. Prints a table and, last:
-export_vs_reference=X import_vs_reference=Y live_peak_extra_mb=Z layer_experts_mb=W (nproc 1, the
-first size). Targets are reported, not asserted: exit 0 whenever the run completes."""
+new files, in one process; (b) import HF -> torch_dist at EP = nproc (at one rank, the default
+topology: routed experts streamed from the HF shards to torch_dist); (c) export torch_dist -> HF at
+the default topology (routed experts streamed from torch_dist to the HF shards); (d) the live export
+(iter_hf_weights + chunk_by_bytes, chunks not written) on the loaded model; (e) its yardstick, a
+plain torch.clone of the same weights. Each is timed inside the ranks (start-up and imports
+excluded) with its peak RSS. Prints a table, the targets and, last (nproc 1, the first size):
+export_vs_reference=.. import_vs_reference=.. live_vs_copy=.. live_peak_extra_mb=..
+layer_experts_mb=.. import_peak_extra_mb=.. export_peak_extra_mb=..
+With --scaling, also twice the first size: time and peak-memory doubling ratios. Targets are
+reported, not asserted: exit 0 whenever the run completes."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import math
+import mmap
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -43,6 +44,26 @@ def language_model_prefix(config: Mapping) -> str:
     raise CheckpointError(
         f"not a Gemma 4 checkpoint: architectures={architectures} (expected one of {sorted(LANGUAGE_MODEL_PREFIX)})"
     )
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """A tensor's bytes inside a safetensors shard: read directly, they cost one copy and no mapping."""
+
+    file: Path
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def mapped(self) -> torch.Tensor:
+        """The tensor over a private memory mapping of its shard: only the pages that are read are loaded."""
+        with open(self.file, "rb") as handle:
+            buffer = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        count = math.prod(self.shape)
+        if not count:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.frombuffer(buffer, dtype=self.dtype, count=count, offset=self.offset).view(self.shape)
 
 
 class HFCheckpoint:
@@ -111,6 +132,16 @@ class HFCheckpoint:
                     piece = handle.get_slice(name)
                     found[name] = (list(piece.get_shape()), str(piece.get_dtype()))
         return {name: found[name] for name in wanted}
+
+    def locate(self, name: str) -> TensorLocation:
+        """Where tensor ``name``'s bytes are: its shard, their byte range, its shape and dtype (header only)."""
+        path = self.path / self.weight_map[name]
+        with open(path, "rb") as handle:
+            header_size = int.from_bytes(handle.read(8), "little")
+            entry = json.loads(handle.read(header_size))[name]
+        begin, end = entry["data_offsets"]
+        dtype = next(torch_dtype for torch_dtype, label in SAFETENSORS_DTYPES.items() if label == entry["dtype"])
+        return TensorLocation(path, 8 + header_size + begin, end - begin, tuple(entry["shape"]), dtype)
 
     def load(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """Load the named tensors (all when ``names`` is None), opening each shard once."""

@@ -31,14 +31,9 @@ from typing import Any
 
 import torch
 
-from vime_gemma4_bridge.digest import tensor_digest
-from vime_gemma4_bridge.distributed import (
-    Topology,
-    add_launch_arguments,
-    is_reporting_process,
-    launch,
-    requested_world_size,
-)
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.runtime.launch import add_launch_arguments, is_reporting_process, launch, requested_world_size
+from vime_gemma4_bridge.verify.fingerprint import tensor_digest
 
 NamedWeight = tuple[str, torch.Tensor, str]
 
@@ -104,8 +99,9 @@ def export_live_job(hf_checkpoint: str, topology: Topology, dump: str, buffer_si
     """Runs on every rank: load HF at ``topology``, stream the live export, rank 0 writes the chunks."""
     from safetensors.torch import save_file
 
-    from vime_gemma4_bridge import convert, hf_io
-    from vime_gemma4_bridge.distributed import init_model_parallel
+    from vime_gemma4_bridge import hf_io
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
 
     init_model_parallel(topology)
     bridge = convert.open_bridge(hf_checkpoint)
@@ -185,7 +181,9 @@ def add_export_live_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_export_live(args: argparse.Namespace) -> int:
-    from vime_gemma4_bridge import convert, hf_io, preflight
+    from vime_gemma4_bridge import hf_io
+    from vime_gemma4_bridge.cli import preflight
+    from vime_gemma4_bridge.convert import topology as convert
 
     try:
         topology = Topology.from_args(args)
@@ -229,10 +227,11 @@ def verify_update(hf_checkpoint: str | Path, dump: str | Path) -> dict[str, Any]
 
     Returns a report whose ``problems`` lists every mismatch by tensor name: missing, unexpected,
     pushed twice, dtype/shape changed, or different values (with expected and received fingerprints).
+    The comparison engine pairs the pushed tensors, in file order, with the checkpoint's, reading
+    one pair at a time.
     """
-    from safetensors import safe_open
-
     from vime_gemma4_bridge import hf_io
+    from vime_gemma4_bridge.verify.compare import TensorFiles, compare_tensors, difference, walk
 
     source = hf_io.HFCheckpoint(hf_checkpoint)
     directory = latest_version_dir(Path(dump))
@@ -240,35 +239,28 @@ def verify_update(hf_checkpoint: str | Path, dump: str | Path) -> dict[str, Any]
     if not files:
         raise hf_io.CheckpointError(f"{directory} holds no .safetensors chunk files")
     expected = source.language_model_names()
-    expected_set = set(expected)
     problems: list[str] = []
-    where: dict[str, str] = {}
     matched = 0
-    reference = source.load(expected)
-    for file in files:
-        with safe_open(file, framework="pt") as handle:
-            for name in handle.keys():
-                if name in where:
-                    problems.append(f"{name}: pushed twice ({where[name]} and {file.name})")
-                    continue
-                where[name] = file.name
-                if name not in expected_set:
-                    problems.append(f"{name}: not a language-model tensor of the checkpoint ({file.name})")
-                    continue
-                got, ref = handle.get_tensor(name), reference[name]
-                if got.dtype != ref.dtype or got.shape != ref.shape:
-                    problems.append(
-                        f"{name}: {got.dtype} {tuple(got.shape)} pushed, checkpoint has {ref.dtype} {tuple(ref.shape)}"
-                    )
-                elif not torch.equal(got, ref):
-                    problems.append(
-                        f"{name}: values differ (fingerprint {tensor_digest(got)} pushed, "
-                        f"{tensor_digest(ref)} expected, "
-                        f"max |Δ|={(got.double() - ref.double()).abs().max().item():.3g})"
-                    )
-                else:
-                    matched += 1
-    problems.extend(f"{name}: missing from the update" for name in expected if name not in where)
+    with TensorFiles.of_checkpoint(source, expected) as reference, TensorFiles.of_files(files) as pushed:
+        for pair in walk(reference, pushed, order="candidate"):
+            name, ref, got = pair.name, pair.reference, pair.candidate
+            if pair.again_in is not None:
+                problems.append(f"{name}: pushed twice ({pushed.file(name).name} and {pair.again_in.name})")
+            elif ref is None:
+                problems.append(f"{name}: not a language-model tensor of the checkpoint ({pushed.file(name).name})")
+            elif got is None:
+                problems.append(f"{name}: missing from the update")
+            elif (status := compare_tensors(ref, got, measure=False).status) in ("dtype", "shape"):
+                problems.append(
+                    f"{name}: {got.dtype} {tuple(got.shape)} pushed, checkpoint has {ref.dtype} {tuple(ref.shape)}"
+                )
+            elif status != "equal":
+                problems.append(
+                    f"{name}: values differ (fingerprint {tensor_digest(got)} pushed, "
+                    f"{tensor_digest(ref)} expected, max |Δ|={difference(ref, got)[0]:.3g})"
+                )
+            else:
+                matched += 1
     return {
         "directory": str(directory),
         "files": len(files),

@@ -39,7 +39,7 @@ import os
 import pickle
 import struct
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -306,7 +306,7 @@ class ExportPlan:
         with torch.no_grad():
             for pieces in self.direct.values():
                 for piece in pieces:
-                    stored = reader.read(piece.key, piece.global_offset, _stored_shape(piece))
+                    stored = reader.read(piece.key, piece.global_offset, stored_shape(piece))
                     piece.data.copy_(stored.view(piece.data.shape))
                     used.add(piece.key)
         used.update(key for keys in self.experts.modules().values() for key in keys)
@@ -322,14 +322,14 @@ def plan_export(bridge: Any, model: list[torch.nn.Module], reader: TorchDistRead
     model_bridge = bridge._model_bridge  # the registered Gemma 4 bridge (AutoBridge exposes no public getter)
     tasks = [task for task in model_bridge.build_conversion_tasks(bridge.hf_pretrained, model) if task is not None]
     state = sharded_state_dict(model)[0]["model"]
-    experts = plan_streamed_experts(tasks, state, reader)
+    experts = plan_streamed_experts(tasks, state, lambda piece: _stored_as_is(piece, reader))
     if experts is None:
         return None
     grouped = {id(expert.task) for group in experts.groups.values() for expert in group}
     others = [task for task in tasks if id(task) not in grouped]
     direct: dict[str, list[Any]] | None = {}
     for task in others:
-        pieces = _memory_ordered_pieces(state.get(task.param_name), task.param_weight)
+        pieces = memory_ordered_pieces(state.get(task.param_name), task.param_weight)
         if pieces is None or not all(_stored_as_is(piece, reader) for piece in pieces):
             direct = None
             break
@@ -342,35 +342,39 @@ def plan_export(bridge: Any, model: list[torch.nn.Module], reader: TorchDistRead
 
 def _stored_as_is(piece: Any, reader: TorchDistReader) -> bool:
     """The checkpoint holds exactly this ShardedTensor's chunk, with its global shape and dtype."""
-    return reader.has(piece.key, piece.global_shape, piece.global_offset, _stored_shape(piece)) and (
+    return reader.has(piece.key, piece.global_shape, piece.global_offset, stored_shape(piece)) and (
         reader.dtype(piece.key) == piece.dtype
     )
 
 
 def plan_streamed_experts(
-    tasks: Sequence[Any], state: Mapping[str, Any], reader: TorchDistReader
+    tasks: Sequence[Any], state: Mapping[str, Any], usable: Callable[[Any], bool]
 ) -> StreamedExperts | None:
     """The experts to stream, or ``None`` when any of them cannot be (then nothing is streamed).
 
     ``tasks`` are Megatron-Bridge's conversion tasks of a TP1/PP1/EP1 model and ``state`` its flat
     ``sharded_state_dict``. An expert streams when its mapping is upstream's fused expert mapping
     without permutation or transpose, its sharded description tiles the parameter in memory order,
-    and every such chunk is stored as is in the checkpoint.
+    and ``usable`` accepts each such chunk (the export: it is stored as is in the checkpoint). The
+    import (:mod:`vime_gemma4_bridge.stream_import`) and the export share this plan.
     """
-    from megatron.bridge.models.conversion.param_mapping import FusedExpertMapping, FusedGatedExpertMapping
+    from megatron.bridge.models.conversion import param_mapping
     from megatron.bridge.utils.common_utils import extract_expert_number_from_param
 
+    from vime_gemma4_bridge.compat import mappings
+
+    plain = (param_mapping.FusedExpertMapping, param_mapping.FusedGatedExpertMapping, mappings.FusedGatedExpertMapping)
     groups: dict[str, dict[int, _Expert]] = {}
     for task in tasks:
         mapping = task.mapping
         if not getattr(mapping, "is_grouped_export", False):
             continue
-        if type(mapping) not in (FusedExpertMapping, FusedGatedExpertMapping):
+        if type(mapping) not in plain:
             return None
         if mapping.permute_dims or mapping.transpose_on_export:
             return None
-        pieces = _memory_ordered_pieces(state.get(task.param_name), task.param_weight)
-        if pieces is None or not all(_stored_as_is(piece, reader) for piece in pieces):
+        pieces = memory_ordered_pieces(state.get(task.param_name), task.param_weight)
+        if pieces is None or not all(usable(piece) for piece in pieces):
             return None
         number = extract_expert_number_from_param(task.global_param_name)
         groups.setdefault(mapping.group_key, {})[number] = _Expert(task, pieces)
@@ -382,12 +386,12 @@ def plan_streamed_experts(
     return StreamedExperts(ordered) if ordered else None
 
 
-def _stored_shape(piece: Any) -> tuple[int, ...]:
+def stored_shape(piece: Any) -> tuple[int, ...]:
     """Shape of a ShardedTensor's chunk as stored: its local shape behind a 1 per prepended (layer/expert) axis."""
     return (1,) * piece.prepend_axis_num + tuple(piece.local_shape)
 
 
-def _memory_ordered_pieces(entry: Any, param: torch.Tensor | None) -> list[Any] | None:
+def memory_ordered_pieces(entry: Any, param: torch.Tensor | None) -> list[Any] | None:
     """The ShardedTensors of ``entry`` if, in memory order, they are ``param``'s bytes exactly once."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -429,7 +433,7 @@ def streamed_export_tensors(experts: StreamedExperts, reader: TorchDistReader) -
         param = first.task.param_weight
         with torch.no_grad():
             for piece in first.pieces:
-                stored = reader.read(piece.key, piece.global_offset, _stored_shape(piece))
+                stored = reader.read(piece.key, piece.global_offset, stored_shape(piece))
                 piece.data.copy_(stored.view(piece.data.shape))
         converted = first.task.mapping.megatron_to_hf(param, first.task.megatron_module)
         if list(converted) != [name] or not torch.equal(converted[name], param):
@@ -445,7 +449,7 @@ def _pieces(group: list[_Expert], reader: TorchDistReader):
     def pieces() -> Iterator[torch.Tensor]:
         for expert in group:
             for piece in expert.pieces:
-                yield reader.read(piece.key, piece.global_offset, _stored_shape(piece))
+                yield reader.read(piece.key, piece.global_offset, stored_shape(piece))
                 # The writer has written it and holds no reference: let its pages go from this process.
                 reader.release(piece.key, piece.global_offset)
 

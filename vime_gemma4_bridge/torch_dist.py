@@ -56,17 +56,12 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vime_gemma4_bridge.distributed import (
-    Topology,
-    add_launch_arguments,
-    is_reporting_process,
-    launch,
-    requested_world_size,
-)
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.runtime.launch import add_launch_arguments, is_reporting_process, launch, requested_world_size
 from vime_gemma4_bridge.torch_dist_layout import EXTRA_STATE, ConversionError, refuse_unused_keys, sharded_state_dict
 
 __all__ = [
@@ -267,7 +262,7 @@ _TEXT_CONFIG_FIELDS = (
 
 def _check_text_config(saved: Mapping, config: Mapping, ckpt: Path, hf: Path, hint: str) -> None:
     """The recorded HF config and ``config`` agree on every field that shapes the Megatron model."""
-    from vime_gemma4_bridge.convert import text_config_dict
+    from vime_gemma4_bridge.convert.topology import text_config_dict
 
     ours, theirs = text_config_dict(saved), text_config_dict(config)
     for field in _TEXT_CONFIG_FIELDS:
@@ -295,7 +290,7 @@ _ARCHITECTURE_FIELDS = {
 def _check_run_config(run_config: Path, hf_config: Mapping, ckpt: Path, hf: Path, hint: str) -> None:
     import yaml
 
-    from vime_gemma4_bridge.convert import text_config_dict
+    from vime_gemma4_bridge.convert.topology import text_config_dict
 
     try:
         model = (yaml.safe_load(run_config.read_text()) or {}).get("model") or {}
@@ -345,13 +340,19 @@ def _cpu_checkpointing() -> Iterator[None]:
         torch.cuda.synchronize = original  # type: ignore[assignment]
 
 
-def save_torch_dist(model: list, iteration_dir: str | os.PathLike) -> None:
-    """Save the model chunks of every rank as one torch_dist checkpoint (collective; the directory exists)."""
+def save_torch_dist(model: list, iteration_dir: str | os.PathLike, *, leave_out: Collection[str] = ()) -> None:
+    """Save the model chunks of every rank as one torch_dist checkpoint (collective; the directory exists).
+
+    ``leave_out`` names parameters (of a one-chunk model) whose items the caller writes itself
+    (:mod:`vime_gemma4_bridge.stream_import`); their modules' other entries are saved as usual.
+    """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
     state, metadata = sharded_state_dict(model)
+    if leave_out:
+        state["model"] = {name: value for name, value in state["model"].items() if name not in leave_out}
     state["checkpoint_version"] = CHECKPOINT_VERSION
     state["iteration"] = ITERATION
     # The synchronous path goes through megatron-core's deprecated "mcore" async writer and warns on every rank.
@@ -500,7 +501,7 @@ class _Phases:
 
     @contextlib.contextmanager
     def __call__(self, name: str, what: str) -> Iterator[None]:
-        from vime_gemma4_bridge.convert import is_rank0
+        from vime_gemma4_bridge.convert.model import is_rank0
 
         if is_rank0():
             print(f"{self.command}: {what} ...", file=sys.stderr, flush=True)
@@ -540,8 +541,9 @@ def import_job(hf_checkpoint: str, save: str, partial: str, topology: Topology) 
     import torch.distributed as dist
     from megatron.core.utils import get_model_config
 
-    from vime_gemma4_bridge import convert, hf_io
-    from vime_gemma4_bridge.distributed import init_model_parallel
+    from vime_gemma4_bridge import hf_io, stream_import
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
 
     start = time.perf_counter()
     phases = _Phases("import")
@@ -559,16 +561,23 @@ def import_job(hf_checkpoint: str, save: str, partial: str, topology: Topology) 
                 # config still says to initialise, as a model built from it for training must.
                 model = convert.build_model(bridge, topology, initialize=False)
                 get_model_config(model[0]).perform_initialization = True
-            with phases("load_hf", f"loading {hf_checkpoint}"):
-                bridge.load_hf_weights(model)
+                source = hf_io.HFCheckpoint(hf_checkpoint)
+                plan = stream_import.plan_import(bridge, model, source) if topology == Topology() else None
+            how = " (routed experts streamed from the HF shards)" if plan else ""
+            with phases("load_hf", f"loading {hf_checkpoint}{how}"):
+                if plan is None:
+                    bridge.load_hf_weights(model)
+                else:
+                    plan.load(bridge._model_bridge, bridge.hf_pretrained.state)
             if rank0:
                 (work / ITERATION_DIR).mkdir()
             dist.barrier()
             with phases("save", f"saving torch_dist to {out}"):
-                save_torch_dist(model, work / ITERATION_DIR)
+                writing = plan is not None and rank0
+                with plan.experts_written(work / ITERATION_DIR) if writing else contextlib.nullcontext():
+                    save_torch_dist(model, work / ITERATION_DIR, leave_out=plan.streamed_params() if plan else ())
             result: dict[str, Any] | None = None
             if rank0:
-                source = hf_io.HFCheckpoint(hf_checkpoint)
                 signature = source.signatures(source.language_model_names())
                 _write_run_config(get_model_config(model[0]), work / ITERATION_DIR / RUN_CONFIG_NAME)
                 sidecar = {
@@ -594,6 +603,7 @@ def import_job(hf_checkpoint: str, save: str, partial: str, topology: Topology) 
                     "topology": str(topology),
                     "parallel": vars(topology),
                     "world_size": dist.get_world_size(),
+                    "experts_streamed": plan is not None,
                     "tensors": len(signature),
                     "bytes": tensor_bytes,
                     "seconds": round(time.perf_counter() - start, 3),
@@ -620,8 +630,9 @@ def export_job(
     """
     import torch.distributed as dist
 
-    from vime_gemma4_bridge import convert, hf_io, stream_export
-    from vime_gemma4_bridge.distributed import init_model_parallel
+    from vime_gemma4_bridge import hf_io, stream_export
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
 
     start = time.perf_counter()
     phases = _Phases("export")
@@ -831,7 +842,9 @@ def _report(args: argparse.Namespace, result: Mapping[str, Any]) -> None:
 
 def run_import(args: argparse.Namespace) -> int:
     """``import``: every refusal before ranks start; exit 0 on success, 1 if a rank failed, 2 on bad input."""
-    from vime_gemma4_bridge import convert, errors, hf_io, preflight
+    from vime_gemma4_bridge import hf_io
+    from vime_gemma4_bridge.cli import errors, preflight
+    from vime_gemma4_bridge.convert import topology as convert
 
     try:
         topology = Topology.from_args(args)
@@ -859,7 +872,9 @@ def run_import(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     """``export``: every refusal before ranks start; exit 0 on success, 1 if a rank failed, 2 on bad input."""
-    from vime_gemma4_bridge import convert, errors, hf_io, preflight
+    from vime_gemma4_bridge import hf_io
+    from vime_gemma4_bridge.cli import errors, preflight
+    from vime_gemma4_bridge.convert import topology as convert
 
     try:
         topology = Topology.from_args(args)
@@ -892,7 +907,7 @@ def main_import(argv: Sequence[str] | None = None, prog: str | None = None) -> i
     parser = argparse.ArgumentParser(
         prog=prog, description=IMPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    from vime_gemma4_bridge.errors import add_output_options, run_command
+    from vime_gemma4_bridge.cli.errors import add_output_options, run_command
 
     args = add_output_options(build_import_parser(parser)).parse_args(argv)
     return run_command(args.prog, args)
@@ -903,7 +918,7 @@ def main_export(argv: Sequence[str] | None = None, prog: str | None = None) -> i
     parser = argparse.ArgumentParser(
         prog=prog, description=EXPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    from vime_gemma4_bridge.errors import add_output_options, run_command
+    from vime_gemma4_bridge.cli.errors import add_output_options, run_command
 
     args = add_output_options(build_export_parser(parser)).parse_args(argv)
     return run_command(args.prog, args)

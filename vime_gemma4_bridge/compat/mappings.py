@@ -1,4 +1,4 @@
-"""CPU-safe variants of two Megatron-Bridge mapping classes (docs/UPSTREAM.md 4).
+"""Variants of three Megatron-Bridge mapping classes: two CPU-safe, one copy-free (docs/UPSTREAM.md 4, 26).
 
 Megatron-Bridge's ``ReplicatedMapping.hf_to_megatron`` (0.6.2 and vime's fork alike) moves the HF
 tensor to ``torch.cuda.current_device()`` before the TP broadcast whenever TP > 1, which raises on
@@ -10,6 +10,14 @@ that the replicated delegate it picks at run time is the CPU-safe one.
 Seam: 0.6.2 keeps the process-group collection on each mapping (``_pg_collection``) and hands it
 to the delegate; the fork keeps none (its delegates read megatron-core's parallel state), so the
 delegate gets the collection only where the build has one.
+
+``FusedGatedExpertMapping`` exports an expert's ``linear_fc1`` by splitting it into gate and up
+halves, gathering each over ETP and EP, and concatenating them again: two copies of every expert
+even when nothing is gathered. With the whole expert on this rank (ETP = EP = PP = 1) the
+concatenation is the weight itself, so the variant hands the weight over as is; the grouped
+export then copies it once, into its layer's stacked tensor. Anything else (a gather, a quantized
+weight, permuted dims) takes upstream's path. The parallel sizes come from megatron-core's parallel
+state, which every build keeps (the fork's mappings hold no process groups of their own).
 """
 
 from __future__ import annotations
@@ -44,3 +52,30 @@ class AutoMapping(param_mapping.AutoMapping):
         if pg_collection is not None:
             mapping.set_process_groups_from_pg_collection(pg_collection)
         return mapping
+
+
+class FusedGatedExpertMapping(param_mapping.FusedGatedExpertMapping):
+    """Upstream ``FusedGatedExpertMapping`` without the split and re-concatenation when nothing is gathered."""
+
+    def megatron_to_hf(
+        self, megatron_weights: torch.Tensor | None, megatron_module: nn.Module | None
+    ) -> dict[str, torch.Tensor]:
+        if (
+            megatron_weights is not None
+            and type(megatron_weights) in (torch.Tensor, nn.Parameter)
+            and not getattr(self, "permute_dims", None)
+            and _whole_experts_here()
+        ):
+            return {self.hf_param: megatron_weights.detach()}
+        return super().megatron_to_hf(megatron_weights, megatron_module)
+
+
+def _whole_experts_here() -> bool:
+    """Every expert weight is whole on this rank and no pipeline stage needs it broadcast (ETP = EP = PP = 1)."""
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_expert_tensor_parallel_world_size() == 1
+        and parallel_state.get_expert_model_parallel_world_size() == 1
+        and parallel_state.get_pipeline_model_parallel_world_size() == 1
+    )

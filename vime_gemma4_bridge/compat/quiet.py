@@ -12,15 +12,26 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 
-#: Messages of warnings about optional packages that a CPU-only host is expected to lack.
-_OPTIONAL_PACKAGE_WARNINGS = (
-    r".*Transformer Engine and Apex are not installed",
-    r".*Apex is not installed",
-    r".*absl\.logging is not installed",
-    r".*transformer-engine>=[0-9.]+ supports MoE experts",
+#: How the warnings about optional packages that a CPU-only host is expected to lack begin.
+OPTIONAL_PACKAGE_WARNINGS = (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "absl.logging is not installed",
+    "Only transformer-engine>=",
 )
+
+
+def warning_filters() -> list[str]:
+    """:data:`OPTIONAL_PACKAGE_WARNINGS` as ``PYTHONWARNINGS`` entries, for processes about to start.
+
+    A spawned rank re-imports the launching script's ``__main__`` (so that job functions defined there
+    unpickle) before any code of ours runs in it; a script that imports megatron warns there already,
+    so :func:`install` would come too late and the filters must travel in the environment.
+    """
+    return [f"ignore:{prefix}" for prefix in OPTIONAL_PACKAGE_WARNINGS]
 
 
 def install() -> None:
@@ -34,7 +45,7 @@ def install() -> None:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     logging.getLogger("megatron").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module=r"megatron(\.|$)")
-    for message in _OPTIONAL_PACKAGE_WARNINGS:
-        warnings.filterwarnings("ignore", message=message)
+    for prefix in OPTIONAL_PACKAGE_WARNINGS:
+        warnings.filterwarnings("ignore", message=".*" + re.escape(prefix))
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=r"(megatron|transformers|torch)(\.|$)")

@@ -30,7 +30,6 @@ from megatron.bridge.models.conversion.param_mapping import (
 )
 from megatron.bridge.models.conversion.param_mapping import (
     FusedExpertMapping,
-    FusedGatedExpertMapping,
     GatedMLPMapping,
     QKVMapping,
 )
@@ -38,7 +37,7 @@ from megatron.bridge.models.conversion.utils import persistent_buffers
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from vime_gemma4_bridge.compat import seams
-from vime_gemma4_bridge.compat.mappings import AutoMapping, ReplicatedMapping
+from vime_gemma4_bridge.compat.mappings import AutoMapping, FusedGatedExpertMapping, ReplicatedMapping
 from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX
 from vime_gemma4_bridge.core.layer_pattern import FULL, SLIDING, pattern_from_layer_types
 from vime_gemma4_bridge.core.provider import Gemma4TextModelProvider

@@ -1,27 +1,17 @@
-"""``vime-gemma4 roundtrip``: HF → Megatron (at a topology) → HF, proven bitwise.
-
-This is the check that would have caught the original bug report (experts copied across EP
-boundaries at TP2·PP2·EP4): every language-model tensor must come back ``torch.equal`` to the
-source, with the same name, dtype and shape, nothing missing, nothing extra, and the experts on
-both sides of every EP boundary distinct and in place.
-"""
+"""``vime-gemma4 roundtrip``: HF → Megatron (at a topology) → HF, proven bitwise; exit 0 iff identical."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
-from typing import Any
 
-from vime_gemma4_bridge.distributed import (
-    Topology,
-    add_launch_arguments,
-    is_reporting_process,
-    launch,
-    requested_world_size,
-)
+from vime_gemma4_bridge.cli import errors
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.runtime.launch import add_launch_arguments, is_reporting_process, launch, requested_world_size
+from vime_gemma4_bridge.verify.roundtrip import roundtrip_job
 
+PROG = "vime-gemma4 roundtrip"
 DESCRIPTION = """\
 Load a Gemma 4 HF checkpoint into the Megatron model at the given parallel topology (gloo CPU
 ranks with --nproc, or the ranks of torchrun), export it back to HF through Megatron-Bridge,
@@ -32,6 +22,7 @@ processor files copied from the source). Exit status: 0 iff every tensor is bitw
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``vime-gemma4 roundtrip``."""
     parser = subparsers.add_parser(
         "roundtrip",
         help="HF -> Megatron -> HF at a topology; exit 0 iff bitwise identical",
@@ -50,53 +41,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def roundtrip_job(
-    hf_checkpoint: str, topology: Topology, output: str | None, force: bool, max_shard_size: int
-) -> dict[str, Any]:
-    """Runs on every rank. Returns rank 0's comparison (as a dict) on all ranks."""
-    from vime_gemma4_bridge import convert, hf_io, report
-    from vime_gemma4_bridge.distributed import init_model_parallel
-
-    init_model_parallel(topology)
-    bridge = convert.open_bridge(hf_checkpoint)
-    model = convert.build_model(bridge, topology)
-    bridge.load_hf_weights(model)
-    exported = convert.collect_on_rank0(bridge, model)
-    result: dict[str, Any] | None = None
-    if convert.is_rank0():
-        source = hf_io.HFCheckpoint(hf_checkpoint)
-        reference = source.load(source.language_model_names())
-        comparison = report.compare(reference, exported, ep=topology.ep)
-        result = comparison.as_dict()
-        result["report"] = report.format_report(comparison, f"round trip at {topology}")
-        result["total"] = vars(comparison.total)
-        if output is not None:
-            if not comparison.identical:
-                result["output"] = None  # never write a checkpoint we know is wrong
-            else:
-                written = hf_io.write_hf_checkpoint(
-                    output, exported, source, max_shard_size=max_shard_size, force=force
-                )
-                result["output"] = str(written)
-    return convert.broadcast_from_rank0(result)
-
-
 def run(args: argparse.Namespace) -> int:
-    from vime_gemma4_bridge import convert, hf_io, preflight
+    """Every refusal before ranks start (exit 2); then the round trip: exit 0 iff bitwise identical."""
+    from vime_gemma4_bridge import hf_io
+    from vime_gemma4_bridge.cli import preflight
 
-    try:
-        topology = Topology.from_args(args)
-        topology.validate(requested_world_size(args.nproc))
-        source = hf_io.HFCheckpoint(args.hf_checkpoint)
-        convert.validate_model_topology(source.config, topology)
+    def output_checks(topology: Topology, source: hf_io.HFCheckpoint) -> int:
         if args.output:
             hf_io.refuse_overlap(args.output, "--output", {"--hf-checkpoint": source.path})
             hf_io.prepare_output(args.output, force=args.force)
-        max_shard_size = hf_io.parse_size(args.max_shard_size, "--max-shard-size")
-        preflight.check_language_model(source)
+        return hf_io.parse_size(args.max_shard_size, "--max-shard-size")
+
+    try:
+        topology, _, max_shard_size = preflight.command_inputs(args, output_checks)
     except ValueError as error:
-        print(f"vime-gemma4 roundtrip: error: {error}", file=sys.stderr)
-        return 2
+        return errors.refuse(PROG, error)
     results = launch(
         args.nproc,
         roundtrip_job,

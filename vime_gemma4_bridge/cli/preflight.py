@@ -1,17 +1,29 @@
-"""Pre-flight of a HF checkpoint: its language-model tensors against what its own ``config.json`` implies.
+"""The pre-flight of the commands: everything that can be refused before any rank starts, in one place.
 
-Run by every command that reads a HF checkpoint, before any rank starts, from the safetensors
-headers only (no tensor data: seconds for 26B-A4B). What the config implies is transformers' own
-answer: the state dict of a meta-device model of that config (no memory), language-model part,
-tied aliases dropped. A config that lies (``num_experts`` edited), a missing or extra tensor, a
-wrong dtype or shape: each is one line, at most ten, then a count.
+:func:`command_inputs` is the preamble every command that converts a HF checkpoint at a topology
+runs (``roundtrip``, ``parity``, ``probe``; ``import``, ``export`` and ``export-live`` can call it
+too): the topology against the world, the checkpoint opened, the model against the topology, the
+command's own checks, then :func:`check_language_model`. Each refusal is a ``ValueError`` whose
+message is the whole story; the command prints it with :func:`vime_gemma4_bridge.cli.errors.refuse`
+and exits 2.
+
+:func:`check_language_model` compares a checkpoint's language-model tensors with what its own
+``config.json`` implies, from the safetensors headers only (no tensor data: seconds for 26B-A4B).
+What the config implies is transformers' own answer: the state dict of a meta-device model of that
+config (no memory), language-model part, tied aliases dropped. A config that lies (``num_experts``
+edited), a missing or extra tensor, a wrong dtype or shape: each is one line, at most ten, then a
+count.
 """
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
 from typing import Any
 
+from vime_gemma4_bridge.convert.topology import Topology, validate_model_topology
 from vime_gemma4_bridge.hf_io import SAFETENSORS_DTYPES, CheckpointError, HFCheckpoint
+from vime_gemma4_bridge.runtime.launch import requested_world_size
 
 #: Problems listed one per line before the rest are counted.
 MAX_LISTED = 10
@@ -74,3 +86,26 @@ def check_language_model(checkpoint: HFCheckpoint) -> None:
             f"HF checkpoint {checkpoint.path} does not match its config.json ({len(problems)} problem(s)); "
             "fix the checkpoint or its config:\n  " + "\n  ".join(listed) + (f"\n  ... and {more} more" if more else "")
         )
+
+
+def command_inputs[T](
+    args: argparse.Namespace,
+    checks: Callable[[Topology, HFCheckpoint], T] | None = None,
+    *,
+    world_size: int | None = None,
+) -> tuple[Topology, HFCheckpoint, T | None]:
+    """``(topology, source, what checks returned)`` of a command, or the ``ValueError`` refusing its input.
+
+    In this order (the first problem is the one reported): the topology of ``--tp --pp --vpp --ep
+    --etp`` fits ``world_size`` (default: ``--nproc``, else torchrun's ``WORLD_SIZE``, else 1);
+    ``--hf-checkpoint`` opens (config, index, shards); the model splits over the topology;
+    ``checks(topology, source)``, the command's own (outputs, sizes, ids), whose result is returned;
+    last the tensors against config.json (:func:`check_language_model`), the slowest check.
+    """
+    topology = Topology.from_args(args)
+    topology.validate(requested_world_size(args.nproc) if world_size is None else world_size)
+    source = HFCheckpoint(args.hf_checkpoint)
+    validate_model_topology(source.config, topology)
+    extra = checks(topology, source) if checks is not None else None
+    check_language_model(source)
+    return topology, source, extra

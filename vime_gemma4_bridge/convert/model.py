@@ -1,7 +1,7 @@
 """Building the sharded Megatron Gemma 4 model for a topology, and moving weights in and out of it.
 
-These are the steps every command shares (roundtrip, import, export, parity, export-live), run on
-every rank after :func:`vime_gemma4_bridge.distributed.init_model_parallel`. All resharding is
+These are the steps every job shares (roundtrip, import, export, parity, probe, export-live), run on
+every rank after :func:`vime_gemma4_bridge.convert.topology.init_model_parallel`. All resharding is
 Megatron-Bridge's: ``AutoBridge.load_hf_weights`` / ``export_hf_weights`` with this plugin's
 bridge registered.
 """
@@ -9,53 +9,13 @@ bridge registered.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from vime_gemma4_bridge.distributed import Topology
-
-
-class TopologyError(ValueError):
-    """The model's shape does not split over the requested topology."""
-
-
-def text_config_dict(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The text part of a HF ``config.json`` dict (VL checkpoints nest it under ``text_config``)."""
-    return config.get("text_config") or config
-
-
-def validate_model_topology(config: Mapping[str, Any], topology: Topology) -> None:
-    """Raise :class:`TopologyError` (one line: what and what to do) if the model cannot be split so."""
-    text = text_config_dict(config)
-    if text.get("model_type") not in ("gemma4_text", "gemma4"):
-        raise TopologyError(f"config model_type {text.get('model_type')!r} is not Gemma 4 (gemma4_text)")
-    moe = bool(text.get("enable_moe_block"))
-    layers = int(text["num_hidden_layers"])
-    checks: list[tuple[str, int, int, str]] = [
-        ("attention heads", int(text["num_attention_heads"]), topology.tp, "--tp"),
-        ("KV heads", int(text["num_key_value_heads"]), topology.tp, "--tp"),
-        ("FFN size (intermediate_size)", int(text["intermediate_size"]), topology.tp, "--tp"),
-    ]
-    if text.get("attention_k_eq_v") and text.get("num_global_key_value_heads"):
-        checks.append(("global KV heads", int(text["num_global_key_value_heads"]), topology.tp, "--tp"))
-    if moe:
-        checks += [
-            ("experts", int(text["num_experts"]), topology.ep, "--ep"),
-            ("expert FFN size (moe_intermediate_size)", int(text["moe_intermediate_size"]), topology.etp, "--etp"),
-        ]
-    stages = topology.pp * (topology.vpp or 1)
-    checks.append(("layers", layers, stages, "--pp/--vpp (PP×VPP)"))
-    for what, count, parts, flag in checks:
-        if count % parts:
-            raise TopologyError(f"{count} {what} do not divide by {flag} {parts}; choose a divisor of {count}")
-    if not moe and (topology.pp > 1 or topology.ep > 1):
-        raise TopologyError(
-            "dense Gemma 4 supports --pp 1 and --ep 1 only (Megatron-Bridge's Gemma4DenseProvider is PP=1); "
-            "use --tp to split it"
-        )
+from vime_gemma4_bridge.convert.topology import Topology
 
 
 def open_bridge(hf_checkpoint: str | os.PathLike) -> Any:
@@ -96,6 +56,7 @@ def build_model(bridge: Any, topology: Topology, *, initialize: bool = True) -> 
 
 
 def is_rank0() -> bool:
+    """Whether this is global rank 0, the rank that compares, writes and reports."""
     return dist.get_rank() == 0
 
 

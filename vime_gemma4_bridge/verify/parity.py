@@ -1,9 +1,9 @@
-"""``vime-gemma4 parity``: the Megatron model computes what transformers computes, logit for logit.
+"""Numerical parity: the Megatron model computes what transformers computes, logit for logit (``vime-gemma4 parity``).
 
 A bitwise round trip proves that every tensor comes back, not that the Megatron model *uses*
 it the way Gemma 4 does: q/k heads permuted inside ``linear_qkv``, gate and up swapped in
 ``linear_fc1``, a norm applied at the wrong place or the wrong RoPE on a global layer all
-round-trip perfectly. This command loads a HF checkpoint into the Megatron model through the
+round-trip perfectly. :func:`parity_job` loads a HF checkpoint into the Megatron model through the
 bridge at a topology, runs one forward pass over fixed token ids (a pipelined forward across
 PP/VPP stages, TP-gathered logits), runs transformers' own forward on the same ids and
 compares the logits over the real vocabulary (Megatron pads it).
@@ -18,31 +18,15 @@ differs between the two implementations' op orders, so only the prediction is co
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vime_gemma4_bridge.distributed import Topology, add_launch_arguments, launch
+from vime_gemma4_bridge.convert.topology import Topology
 
 if TYPE_CHECKING:  # torch and megatron are imported where used: argument parsing stays instant
     import torch
     from megatron.bridge import AutoBridge
-
-DESCRIPTION = """\
-Load a Gemma 4 HF checkpoint into the Megatron model at the given parallel topology (gloo CPU
-ranks with --nproc, or the ranks of torchrun), run one forward pass over fixed deterministic
-token ids (pipelined over PP/VPP stages, logits gathered over TP), run transformers' forward
-(eager attention) on the same ids with the same weights, and compare the logits over the real
-vocabulary. --dtype casts the checkpoint weights to that dtype on both sides. The last line is
-'max|dlogit|=<x> mean|dlogit|=<y> argmax_agreement=<z>'. Exit status: 0 iff within tolerance
-(float32: max |dlogit| <= 2e-5 for MoE, 5e-5 for dense, or --fp32-max-abs, and argmax agreement
-1.0; bfloat16: argmax agreement >= 0.99),
-1 otherwise, 2 on bad input."""
 
 #: ``--dtype`` choices.
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16")
@@ -134,7 +118,7 @@ def set_checkpoint_dtype(bridge: AutoBridge, dtype: torch.dtype) -> None:
     """Make the bridge build Megatron parameters in ``dtype`` instead of the checkpoint's dtype.
 
     The provider takes its ``params_dtype`` from the HF config (``provider_bridge`` in
-    :mod:`vime_gemma4_bridge.bridge`), the VL text config first; loading then casts every HF
+    :mod:`vime_gemma4_bridge.core.bridge`), the VL text config first; loading then casts every HF
     tensor into the parameters (``Tensor.copy_``), which is the same rounding transformers
     applies with ``from_pretrained(dtype=...)``.
     """
@@ -279,19 +263,19 @@ def parity_job(
     """
     import torch
 
-    from vime_gemma4_bridge import convert
-    from vime_gemma4_bridge.distributed import init_model_parallel
+    from vime_gemma4_bridge.convert.model import broadcast_from_rank0, build_model, is_rank0, open_bridge
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
 
     torch_dtype = getattr(torch, dtype)
     init_model_parallel(topology)
-    bridge = convert.open_bridge(hf_checkpoint)
+    bridge = open_bridge(hf_checkpoint)
     set_checkpoint_dtype(bridge, torch_dtype)
     config = bridge.hf_pretrained.config
     text_config = getattr(config, "text_config", config)
     vocab_size = int(text_config.vocab_size)
     input_ids = fixed_token_ids(vocab_size, batch, seq_len, excluded_token_ids(config.to_dict()))
 
-    model = convert.build_model(bridge, topology)
+    model = build_model(bridge, topology)
     bridge.load_hf_weights(model)
     if after_load is not None:
         after_load(model)
@@ -299,7 +283,7 @@ def parity_job(
     del model
 
     result: dict[str, Any] | None = None
-    if convert.is_rank0():
+    if is_rank0():
         reference = hf_logits(hf_checkpoint, input_ids, torch_dtype)
         max_abs, mean_abs, agreement = compare_logits(logits, reference, vocab_size)
         result = asdict(
@@ -316,85 +300,4 @@ def parity_job(
                 passed=within_tolerance(dtype, max_abs, agreement, fp32_max_abs or default_fp32_bound(text_config)),
             )
         )
-    return convert.broadcast_from_rank0(result)
-
-
-# --------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "parity",
-        help="Megatron forward vs transformers forward on the same weights; exit 0 iff logits match",
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--hf-checkpoint", required=True, metavar="DIR", help="Gemma 4 HF checkpoint")
-    Topology.add_arguments(parser)
-    add_launch_arguments(parser)
-    parser.add_argument(
-        "--dtype",
-        choices=DTYPE_NAMES,
-        default="float32",
-        help="cast the checkpoint weights to this dtype on both sides (default: float32)",
-    )
-    parser.add_argument(
-        "--seq-len",
-        type=int,
-        default=None,
-        metavar="L",
-        help="tokens per sequence (default: 3 x sliding_window rounded up to a multiple of 8)",
-    )
-    parser.add_argument(
-        "--batch", type=int, default=DEFAULT_BATCH, metavar="B", help=f"sequences (default: {DEFAULT_BATCH})"
-    )
-    parser.add_argument(
-        "--fp32-max-abs",
-        type=float,
-        default=None,
-        metavar="X",
-        help="float32 bound on max |dlogit| (default: 2e-5 for MoE, 5e-5 for dense; deep models may need more)",
-    )
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON before the last line")
-    parser.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    from vime_gemma4_bridge import convert, hf_io, preflight
-
-    try:
-        topology = Topology.from_args(args)
-        topology.validate(args.nproc or _env_world_size())
-        source = hf_io.HFCheckpoint(args.hf_checkpoint)
-        convert.validate_model_topology(source.config, topology)
-        seq_len = args.seq_len if args.seq_len is not None else default_seq_len(convert.text_config_dict(source.config))
-        if seq_len < 1:
-            raise ValueError(f"--seq-len must be a whole number >= 1, got {seq_len}")
-        if args.batch < 1:
-            raise ValueError(f"--batch must be a whole number >= 1, got {args.batch}")
-        preflight.check_language_model(source)
-    except ValueError as error:
-        print(f"vime-gemma4 parity: error: {error}", file=sys.stderr)
-        return 2
-    job_args = (str(Path(args.hf_checkpoint)), topology, args.dtype, seq_len, args.batch)
-    results = launch(args.nproc, parity_job, *job_args, fp32_max_abs=args.fp32_max_abs)
-    result = results[0]
-    if os.environ.get("RANK", "0") == "0":
-        if args.json:
-            print(json.dumps(result, indent=2))
-        else:
-            world = args.nproc or _env_world_size()
-            verdict = "OK" if result["passed"] else "FAILED"
-            print(
-                f"parity {verdict}: Megatron vs transformers logits, {args.dtype}, {topology} on {world} rank(s), "
-                f"batch {args.batch} x {seq_len} tokens, vocab {result['vocab_size']} "
-                f"(Megatron pads to {result['padded_vocab_size']})"
-            )
-        print(ParityResult(**result).summary_line())
-    return 0 if result["passed"] else 1
-
-
-def _env_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return broadcast_from_rank0(result)

@@ -1,8 +1,9 @@
-"""Bitwise comparison of two sets of HF tensors, summarised per tensor family.
+"""HF tensor names (families, layers, experts) and the round trip's report: bitwise, per tensor family.
 
 "Correct" is bitwise: same names, dtypes, shapes and ``torch.equal`` values, nothing missing,
-nothing extra. The per-family table is what ``roundtrip`` prints; the EP-boundary check makes
-the original bug (expert 0 copied over expert E/EP) visible by name even when counts match.
+nothing extra (the comparison engine's verdict, :mod:`vime_gemma4_bridge.verify.compare`). The
+per-family table is what ``roundtrip`` prints; the EP-boundary check makes the original bug
+(expert 0 copied over expert E/EP) visible by name even when counts match.
 """
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+
+from vime_gemma4_bridge.verify.compare import compare_tensors, walk
+
+#: Names of the stacked routed-expert tensors (HF, relative to a layer).
+EXPERT_SUFFIXES = ("experts.gate_up_proj", "experts.down_proj")
+#: A per-layer HF name: the stack it belongs to (``model.language_model.layers.``), the layer, the rest.
+LAYER_RE = re.compile(r"^(?P<stack>.*?\blayers\.)(?P<layer>\d+)\.(?P<suffix>.+)$")
+_EXPERT_ENDINGS = tuple(f".{suffix}" for suffix in EXPERT_SUFFIXES)
 
 _FAMILIES: tuple[tuple[str, str], ...] = (
     (r"(^|\.)embed_tokens\.weight$", "embedding"),
@@ -36,13 +45,10 @@ def family_of(name: str) -> str:
     return "other"
 
 
-def tensors_identical(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise identity: dtype, shape and every element (``torch.equal``)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-
-
 @dataclass
 class FamilyStats:
+    """Reference tensors of one family: how many, their bytes, how many came back bitwise equal."""
+
     count: int = 0
     nbytes: int = 0
     equal: int = 0
@@ -84,22 +90,26 @@ class Comparison:
 
 def compare(reference: Mapping[str, torch.Tensor], candidate: Mapping[str, torch.Tensor], *, ep: int = 1) -> Comparison:
     """Compare ``candidate`` with ``reference`` bitwise; check experts at every EP boundary by name."""
-    result = Comparison(
-        missing=sorted(set(reference) - set(candidate)),
-        extra=sorted(set(candidate) - set(reference)),
-    )
-    for name, ref in reference.items():
+    result = Comparison()
+    for pair in walk(reference, candidate):
+        name, ref, got = pair.name, pair.reference, pair.candidate
+        if ref is None:
+            result.extra.append(name)
+            continue
         stats = result.families.setdefault(family_of(name), FamilyStats())
         stats.count += 1
         stats.nbytes += ref.numel() * ref.element_size()
-        if name not in candidate:
+        if got is None:
+            result.missing.append(name)
             continue
-        if tensors_identical(ref, candidate[name]):
+        if compare_tensors(ref, got, measure=False).status == "equal":
             stats.equal += 1
         else:
             result.different.append(name)
-        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-            result.ep_boundaries.extend(_check_expert_boundaries(name, ref, candidate[name], ep))
+        if name.endswith(_EXPERT_ENDINGS):
+            result.ep_boundaries.extend(_check_expert_boundaries(name, ref, got, ep))
+    result.missing.sort()
+    result.extra.sort()
     return result
 
 

@@ -1,4 +1,4 @@
-"""``vime-gemma4`` command line: one sub-command per job, each module owning its own arguments."""
+"""``vime-gemma4`` command line: one sub-command per job, each command module owning its own arguments."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from vime_gemma4_bridge import errors
+from vime_gemma4_bridge.cli import errors
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vime_gemma4_bridge import bench, demo, doctor, env, live, parity, roundtrip, tiny, torch_dist
+    """The ``vime-gemma4`` parser: the sub-commands in ``--help`` order, each with ``--debug`` and ``--verbose``."""
+    from vime_gemma4_bridge import bench, live, torch_dist
+    from vime_gemma4_bridge.cli import compare, demo, env, parity, probe, roundtrip, tiny
 
     parser = argparse.ArgumentParser(
         prog="vime-gemma4",
@@ -21,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_parser(sub)
     demo.add_parser(sub)
     roundtrip.add_parser(sub)
-    doctor.add_parser(sub)  # compare
-    doctor.add_probe_parser(sub)  # probe
+    compare.add_parser(sub)
+    probe.add_parser(sub)
     live.add_export_live_parser(sub)
     live.add_verify_parser(sub)
     parity.add_parser(sub)
@@ -35,13 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the command; its exit status (the console script ``vime-gemma4``)."""
     # megatron.training configures root logging to stdout when imported; claiming the root logger
     # first keeps stdout for reports (``--json`` stays parseable) and library chatter on stderr.
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
     return errors.run_command(f"vime-gemma4 {args.command}", args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -106,6 +106,7 @@ def _check(what: str, rows: list[tuple[str, str]], probe: Callable[[], str]) -> 
 
 
 def add_parser(sub: Any) -> None:
+    """Register ``vime-gemma4 env``."""
     parser = sub.add_parser(
         "env",
         help="versions, active paths, and whether the plugin (and vime's bridge mode) can work here",
@@ -116,10 +117,11 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="also require what vime's --megatron-to-hf-mode bridge needs (the fork's three-field export)",
     )
-    parser.set_defaults(func=main)
+    parser.set_defaults(func=run)
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Print one row per finding; exit 1 with the first reason the plugin (or, with --vime, vime) cannot work."""
     rows, problems = collect(args.vime)
     width = max(len(name) for name, _ in rows)
     for name, value in rows:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``vime-gemma4 demo``."""
     parser = subparsers.add_parser(
         "demo",
         help="round-trip a built-in tiny Gemma 4 at TP2·PP2·EP2 on 4 CPU ranks",
@@ -26,8 +27,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vime_gemma4_bridge import roundtrip
-    from vime_gemma4_bridge.tiny import TinySpec, write_tiny_checkpoint
+    """Write the tiny checkpoint, then round-trip it; the round trip's exit status."""
+    from vime_gemma4_bridge.cli import roundtrip
+    from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
 
     workdir = Path(args.workdir)
     hf1 = write_tiny_checkpoint(workdir / "hf1-tiny-gemma4", TinySpec(), force=True)

@@ -1,4 +1,8 @@
-"""One error formatter for every command: a failure is one line on stderr, its traceback only with ``--debug``."""
+"""One error formatter for every command: a failure is one line on stderr, its traceback only with ``--debug``.
+
+Exit status: 1 for a failure (:func:`report`), 2 for input refused before any rank started
+(:func:`refuse`), 130 / 143 when SIGINT / SIGTERM interrupted the command (:func:`run_command`).
+"""
 
 from __future__ import annotations
 
@@ -44,6 +48,15 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
+def refuse(prog: str, error: BaseException | str) -> int:
+    """Print ``prog: error: <message>`` for input refused before any rank started; return exit status 2.
+
+    The message is the refusal's own, whole (a pre-flight lists one problem per line).
+    """
+    print(f"{prog}: error: {error}", file=sys.stderr)
+    return 2
+
+
 def report(prog: str, error: BaseException, *, debug: bool) -> int:
     """Print ``prog: error: <one line>`` (after the traceback, with ``debug``); return exit status 1."""
     if debug:
@@ -73,7 +86,7 @@ def run_command(prog: str, args: argparse.Namespace) -> int:
     130 / 143; the rank processes of a local world end with it.
     """
     from vime_gemma4_bridge.compat import quiet
-    from vime_gemma4_bridge.distributed import VERBOSE_ENV
+    from vime_gemma4_bridge.runtime.world import VERBOSE_ENV
 
     if getattr(args, "verbose", False):
         os.environ[VERBOSE_ENV] = "1"  # rank processes keep their noise too

@@ -1,0 +1,7 @@
+"""``python -m vime_gemma4_bridge.cli``: the ``vime-gemma4`` command, where the script is not on PATH (recipes)."""
+
+import sys
+
+from vime_gemma4_bridge.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,88 @@
+"""``vime-gemma4 probe``: follow experts through Megatron-Bridge's export stage by stage; flag the first bad one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from vime_gemma4_bridge.cli import errors
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.runtime.launch import add_launch_arguments, is_reporting_process, launch
+
+if TYPE_CHECKING:
+    from vime_gemma4_bridge.hf_io import HFCheckpoint
+
+PROG = "vime-gemma4 probe"
+DESCRIPTION = """\
+Load a Gemma 4 MoE HF checkpoint into the Megatron model at the given parallel topology (gloo CPU
+ranks with --nproc, or the ranks of torchrun) and follow chosen routed experts through
+Megatron-Bridge's own export: the rank-local shard, after the PP broadcast, after the ETP gather,
+after the EP gather, and the final stacked HF tensor. Each stage's fingerprint is checked against
+what it must hold, derived from the HF source (the expert's ETP shard for the first two stages),
+and the first stage that differs is flagged. Default experts: both sides of every EP boundary plus
+the first and last expert. Exit status: 0 iff every stage matches, 1 otherwise, 2 on bad input."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``vime-gemma4 probe``."""
+    parser = subparsers.add_parser(
+        "probe",
+        help="follow experts through the HF -> Megatron -> HF export stage by stage; flag the first bad stage",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--hf-checkpoint", required=True, metavar="DIR", help="source Gemma 4 MoE HF checkpoint")
+    Topology.add_arguments(parser)
+    add_launch_arguments(parser)
+    parser.add_argument(
+        "--experts", metavar="LIST", help="expert ids, e.g. 0,31,32 or 0-3 (default: both sides of every EP boundary)"
+    )
+    parser.add_argument("--layers", metavar="LIST", help="layer ids, e.g. 0,5 or 0-3 (default: all layers)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.set_defaults(func=run)
+
+
+def parse_id_list(text: str, limit: int, flag: str) -> list[int]:
+    """``"0,7-9"`` → ``[0, 7, 8, 9]``; every id must be below ``limit``."""
+    ids: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            low, _, high = part.partition("-")
+            first, last = int(low), int(high) if high else int(low)
+        except ValueError:
+            raise ValueError(f"{flag}: {part!r} is not a number or a range like 0-3") from None
+        if first < 0 or last >= limit or first > last:
+            raise ValueError(f"{flag}: {part!r} is out of range; ids go from 0 to {limit - 1}")
+        ids.update(range(first, last + 1))
+    if not ids:
+        raise ValueError(f"{flag}: no ids given")
+    return sorted(ids)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate everything before starting ranks (bad input: one line on stderr, exit 2); exit 0 iff all ok."""
+    from vime_gemma4_bridge.cli import preflight
+    from vime_gemma4_bridge.convert.topology import text_config_dict
+    from vime_gemma4_bridge.verify.probe import format_probe, probe_job
+
+    def chosen(topology: Topology, source: HFCheckpoint) -> tuple[list[int] | None, list[int] | None]:
+        text = text_config_dict(source.config)
+        if not text.get("enable_moe_block"):
+            raise ValueError("probe follows routed experts; this checkpoint is dense (no enable_moe_block)")
+        experts = parse_id_list(args.experts, int(text["num_experts"]), "--experts") if args.experts else None
+        layers = parse_id_list(args.layers, int(text["num_hidden_layers"]), "--layers") if args.layers else None
+        return experts, layers
+
+    try:
+        topology, _, (experts, layers) = preflight.command_inputs(args, chosen)
+    except ValueError as error:
+        return errors.refuse(PROG, error)
+    result = launch(args.nproc, probe_job, str(Path(args.hf_checkpoint)), topology, experts, layers)[0]
+    if is_reporting_process():
+        print(json.dumps(result, indent=2) if args.json else format_probe(result))
+    return 0 if result["ok"] else 1

@@ -1,0 +1,63 @@
+"""Running a command's job function the way it was asked to: ``--nproc`` local ranks, torchrun, or in process."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+from vime_gemma4_bridge.runtime.group import in_torchrun, init_from_env, single_process_group
+from vime_gemma4_bridge.runtime.world import run_ranks
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--nproc N``: how many local rank processes :func:`launch` spawns."""
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help=(
+            "spawn N local rank processes (gloo on CPU, nccl with N GPUs). Omit under torchrun, "
+            "or to run as a single rank in this process"
+        ),
+    )
+    return parser
+
+
+def requested_world_size(nproc: int | None) -> int:
+    """The world a command will run in: ``--nproc``, else torchrun's ``WORLD_SIZE``, else one rank."""
+    return nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_reporting_process() -> bool:
+    """Whether this process prints a command's report: the launcher, or global rank 0 under torchrun."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def launch(nproc: int | None, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> list:
+    """Run a job function the way the command line was asked to; return the results this process saw.
+
+    * ``nproc`` given → spawn that many local ranks (:func:`~vime_gemma4_bridge.runtime.world.run_ranks`):
+      all ranks' results;
+    * already inside a process group (a ``LocalWorld`` rank) → call ``fn`` here: ``[result]``;
+    * under torchrun → :func:`~vime_gemma4_bridge.runtime.group.init_from_env`, call ``fn`` on this
+      rank: ``[result]``;
+    * otherwise → a one-rank world in this process
+      (:func:`~vime_gemma4_bridge.runtime.group.single_process_group`): ``[result]``.
+
+    ``fn`` must create its parallel state itself, so the same job runs unchanged in all four
+    settings. No timeout applies: conversions of big models take long.
+    """
+    if nproc is not None:
+        return run_ranks(nproc, fn, *args, **kwargs)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return [fn(*args, **kwargs)]
+    if in_torchrun():
+        init_from_env()
+        return [fn(*args, **kwargs)]
+    with single_process_group():
+        return [fn(*args, **kwargs)]

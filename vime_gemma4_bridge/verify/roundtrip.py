@@ -1,0 +1,57 @@
+"""The round trip: HF → Megatron (at a topology) → HF, proven bitwise (``vime-gemma4 roundtrip``).
+
+This is the check that would have caught the original bug report (experts copied across EP
+boundaries at TP2·PP2·EP4): every language-model tensor must come back ``torch.equal`` to the
+source, with the same name, dtype and shape, nothing missing, nothing extra, and the experts on
+both sides of every EP boundary distinct and in place (:func:`vime_gemma4_bridge.verify.report.compare`).
+It lives with the proofs, not with the conversions it is built from: it judges them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vime_gemma4_bridge.convert.topology import Topology
+
+
+def roundtrip_job(
+    hf_checkpoint: str, topology: Topology, output: str | None, force: bool, max_shard_size: int
+) -> dict[str, Any]:
+    """Runs on every rank. Returns rank 0's comparison (as a dict) on all ranks.
+
+    With ``output``, rank 0 also writes the exported model as a complete HF checkpoint, but only
+    when it is bitwise identical (``result["output"]`` is then its path, else ``None``).
+    """
+    from vime_gemma4_bridge import hf_io
+    from vime_gemma4_bridge.convert.model import (
+        broadcast_from_rank0,
+        build_model,
+        collect_on_rank0,
+        is_rank0,
+        open_bridge,
+    )
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+    from vime_gemma4_bridge.verify import report
+
+    init_model_parallel(topology)
+    bridge = open_bridge(hf_checkpoint)
+    model = build_model(bridge, topology)
+    bridge.load_hf_weights(model)
+    exported = collect_on_rank0(bridge, model)
+    result: dict[str, Any] | None = None
+    if is_rank0():
+        source = hf_io.HFCheckpoint(hf_checkpoint)
+        reference = source.load(source.language_model_names())
+        comparison = report.compare(reference, exported, ep=topology.ep)
+        result = comparison.as_dict()
+        result["report"] = report.format_report(comparison, f"round trip at {topology}")
+        result["total"] = vars(comparison.total)
+        if output is not None:
+            if not comparison.identical:
+                result["output"] = None  # never write a checkpoint we know is wrong
+            else:
+                written = hf_io.write_hf_checkpoint(
+                    output, exported, source, max_shard_size=max_shard_size, force=force
+                )
+                result["output"] = str(written)
+    return broadcast_from_rank0(result)
