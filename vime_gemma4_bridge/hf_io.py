@@ -9,6 +9,7 @@ unchanged from the source when a complete HF checkpoint is written.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
@@ -143,6 +144,11 @@ class HFCheckpoint:
         dtype = next(torch_dtype for torch_dtype, label in SAFETENSORS_DTYPES.items() if label == entry["dtype"])
         return TensorLocation(path, 8 + header_size + begin, end - begin, tuple(entry["shape"]), dtype)
 
+    def lazy(self, name: str) -> LazyTensor:
+        """Tensor ``name`` as a :class:`LazyTensor` over a memory mapping of its shard (read only while written)."""
+        location = self.locate(name)
+        return LazyTensor(location.shape, location.dtype, lambda: iter((location.mapped(),)))
+
     def load(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """Load the named tensors (all when ``names`` is None), opening each shard once."""
         wanted = self.names() if names is None else list(names)
@@ -241,12 +247,14 @@ def write_hf_checkpoint(
     *,
     max_shard_size: int = 5 * 10**9,
     force: bool = False,
+    show_progress: bool = False,
 ) -> Path:
     """Write a complete HF checkpoint: ``language_tensors`` plus everything else copied from ``source``.
 
-    Tensors keep the source's order. The checkpoint is assembled in a temporary sibling directory
-    and renamed into place only when complete, so an interrupted run leaves nothing that looks
-    like a checkpoint; the source is only read.
+    Tensors keep the source's order; ``show_progress`` draws a progress bar on stderr (lazy tensors
+    are produced while written, so for a streaming export this is the long phase). The checkpoint
+    is assembled in a temporary sibling directory and renamed into place only when complete, so an
+    interrupted run leaves nothing that looks like a checkpoint; the source is only read.
     """
     out = prepare_output(out, force=force)
     expected = set(source.language_model_names())
@@ -261,12 +269,14 @@ def write_hf_checkpoint(
         for item in source.path.iterdir():
             if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != INDEX_NAME:
                 shutil.copy2(item, tmp / item.name)
-        others = [name for name in source.names() if name not in expected]
-        other_tensors = source.load(others)
+        # Copied from the source shard as they are written, not loaded beforehand: the vision tower
+        # costs no memory, whatever its size.
+        other_tensors = {name: source.lazy(name) for name in source.names() if name not in expected}
         ordered = [
             (name, language_tensors[name] if name in expected else other_tensors[name]) for name in source.names()
         ]
-        _write_shards(tmp, ordered, max_shard_size)
+        with _progress(f"Writing {out.name}", len(ordered), show_progress) as advance:
+            _write_shards(tmp, ordered, max_shard_size, advance)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -281,7 +291,32 @@ def write_hf_checkpoint(
     return out
 
 
-def _write_shards(directory: Path, tensors: list[tuple[str, torch.Tensor | LazyTensor]], max_shard_size: int) -> None:
+@contextlib.contextmanager
+def _progress(description: str, total: int, show: bool) -> Iterator[Callable[[], None]]:
+    """A step callback drawing a progress bar on stderr when ``show``, like Megatron-Bridge's (rich)."""
+    if not show:
+        yield lambda: None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TextColumn("[progress.percentage]{task.percentage:>3.0f}%"),
+        TimeRemainingColumn(),
+        TextColumn("({task.completed}/{task.total})"),
+    )
+    with Progress(*columns) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda: progress.update(task, advance=1)
+
+
+def _write_shards(
+    directory: Path,
+    tensors: list[tuple[str, torch.Tensor | LazyTensor]],
+    max_shard_size: int,
+    advance: Callable[[], None] = lambda: None,
+) -> None:
     shards: list[list[tuple[str, torch.Tensor | LazyTensor]]] = [[]]
     size = 0
     for name, tensor in tensors:
@@ -293,12 +328,12 @@ def _write_shards(directory: Path, tensors: list[tuple[str, torch.Tensor | LazyT
         size += nbytes
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        save_safetensors(directory / SINGLE_NAME, shards[0], metadata=metadata)
+        save_safetensors(directory / SINGLE_NAME, shards[0], metadata=metadata, advance=advance)
         return
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_safetensors(directory / file, shard, metadata=metadata)
+        save_safetensors(directory / file, shard, metadata=metadata, advance=advance)
         weight_map.update({name: file for name, _ in shard})
     total = sum(tensor_nbytes(t) for _, t in tensors)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -325,7 +360,11 @@ DTYPE_BYTES = {name: dtype.itemsize for dtype, name in SAFETENSORS_DTYPES.items(
 
 
 def save_safetensors(
-    path: Path, tensors: list[tuple[str, torch.Tensor | LazyTensor]], *, metadata: Mapping[str, str]
+    path: Path,
+    tensors: list[tuple[str, torch.Tensor | LazyTensor]],
+    *,
+    metadata: Mapping[str, str],
+    advance: Callable[[], None] = lambda: None,
 ) -> None:
     """Write one safetensors file, streaming each tensor's bytes in order.
 
@@ -357,6 +396,7 @@ def save_safetensors(
                 written += _write_bytes(handle, piece)
             if written != tensor_nbytes(tensor):
                 raise CheckpointError(f"{name}: produced {written} bytes, expected {tensor_nbytes(tensor)}")
+            advance()
 
 
 def _write_bytes(handle, tensor: torch.Tensor) -> int:

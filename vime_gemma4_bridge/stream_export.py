@@ -32,11 +32,13 @@ Gap recorded in docs/UPSTREAM.md (grouped expert export copies every expert thre
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import math
 import mmap
 import os
 import pickle
+import re
 import struct
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -46,7 +48,9 @@ from typing import Any
 
 import torch
 
-from vime_gemma4_bridge.hf_io import LazyTensor
+from vime_gemma4_bridge.hf_io import SAFETENSORS_DTYPES, LazyTensor
+
+_TORCH_DTYPES = {label: dtype for dtype, label in SAFETENSORS_DTYPES.items()}
 
 __all__ = [
     "ExportPlan",
@@ -297,20 +301,87 @@ class ExportPlan:
     other_tasks: list[Any]  # Megatron-Bridge WeightConversionTasks of every non-expert weight
     direct: dict[str, list[Any]] | None  # parameter name -> its ShardedTensors in memory order
 
-    def read_direct(self, reader: TorchDistReader) -> None:
-        """Copy every non-expert weight from its stored chunk(s) into the model; refuse unused stored tensors."""
+    def check_direct(self, reader: TorchDistReader) -> None:
+        """Refuse a checkpoint holding tensors this model does not use (nothing is read)."""
         from vime_gemma4_bridge.torch_dist_layout import refuse_unused_keys
 
         assert self.direct is not None
-        used: set[str] = set()
-        with torch.no_grad():
-            for pieces in self.direct.values():
-                for piece in pieces:
-                    stored = reader.read(piece.key, piece.global_offset, stored_shape(piece))
-                    piece.data.copy_(stored.view(piece.data.shape))
-                    used.add(piece.key)
+        used = {piece.key for pieces in self.direct.values() for piece in pieces}
         used.update(key for keys in self.experts.modules().values() for key in keys)
         refuse_unused_keys(key for key in reader.tensor_keys() if key not in used)
+
+    def lazy_tensors(
+        self, bridge: Any, model: list[torch.nn.Module], reader: TorchDistReader, signature: Mapping[str, Any]
+    ) -> dict[str, LazyTensor]:
+        """HF name -> lazily exported non-expert tensor, one layer's weights in memory at a time.
+
+        Each layer's (or the embedding's, the final norm's) tasks run through Megatron-Bridge's own
+        export when the writer reaches the first of their HF tensors, on weights assembled from
+        their stored chunks (``dataclasses.replace(task, param_weight=...)``: the model's own weights
+        are never filled), and their outputs are dropped as they are written. So an export holds one
+        layer's non-expert weights, whatever the number of layers. ``signature`` is the source's
+        ``{name: (shape, dtype)}``; a produced tensor of another shape or dtype is refused.
+        """
+        from vime_gemma4_bridge.torch_dist_layout import ConversionError
+
+        assert self.direct is not None
+        groups: dict[str, list[Any]] = {}
+        owner: dict[str, str] = {}
+        for task in self.other_tasks:
+            match = re.match(r"decoder\.layers\.(\d+)\.", task.param_name)
+            key = match.group(1) if match else task.param_name
+            groups.setdefault(key, []).append(task)
+            hf_param = task.mapping.hf_param
+            for name in hf_param.values() if isinstance(hf_param, dict) else [hf_param]:
+                if name in signature:
+                    owner[name] = key
+        ready: dict[str, dict[str, torch.Tensor]] = {}
+
+        def produce(key: str) -> dict[str, torch.Tensor]:
+            tasks = [dataclasses.replace(task, param_weight=self._assembled(task, reader)) for task in groups[key]]
+            return {name: tensor for name, tensor in _export(bridge, model, tasks) if owner.get(name) == key}
+
+        def pieces(name: str) -> Callable[[], Iterator[torch.Tensor]]:
+            def one() -> Iterator[torch.Tensor]:
+                key = owner[name]
+                batch = ready.get(key)
+                if batch is None:
+                    batch = ready[key] = produce(key)
+                tensor = batch.pop(name, None)
+                if not batch:
+                    del ready[key]
+                shape, dtype = signature[name]
+                if tensor is None or list(tensor.shape) != list(shape) or SAFETENSORS_DTYPES[tensor.dtype] != dtype:
+                    got = (
+                        "nothing" if tensor is None else f"{SAFETENSORS_DTYPES.get(tensor.dtype)} {list(tensor.shape)}"
+                    )
+                    raise ConversionError(f"export of {name} produced {got}, the source has {dtype} {list(shape)}")
+                yield tensor
+
+            return one
+
+        return {
+            name: LazyTensor(tuple(signature[name][0]), _TORCH_DTYPES[signature[name][1]], pieces(name))
+            for name in owner
+        }
+
+    def _assembled(self, task: Any, reader: TorchDistReader) -> torch.Tensor:
+        """``task``'s weight from its stored chunks, in a tensor of its own (the model's stays untouched)."""
+        assert self.direct is not None
+        weight = torch.empty_like(task.param_weight, memory_format=torch.contiguous_format)
+        flat, start = weight.view(-1), 0
+        for piece in self.direct[task.param_name]:
+            count = piece.data.numel()
+            flat[start : start + count].copy_(reader.read(piece.key, piece.global_offset, stored_shape(piece)).view(-1))
+            reader.release(piece.key, piece.global_offset)
+            start += count
+        return weight
+
+
+def _export(bridge: Any, model: list[torch.nn.Module], tasks: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Megatron-Bridge's export of ``tasks`` on this rank alone (TP1·PP1·EP1: no collective is involved)."""
+    for item in bridge.export_hf_weights(model, cpu=True, show_progress=False, conversion_tasks=tasks):
+        yield item[0], item[1]  # the fork's build yields a third field (the Megatron name)
 
 
 def plan_export(bridge: Any, model: list[torch.nn.Module], reader: TorchDistReader) -> ExportPlan | None:

@@ -1,29 +1,30 @@
-"""``import`` at the default topology: the routed experts stream from the HF shards into torch_dist.
+"""``import`` at the default topology: every weight streams from the HF shards into torch_dist items.
 
-The mirror of :mod:`vime_gemma4_bridge.stream_export`. Through the general path, every expert
-byte is copied from the HF shard into Megatron-Bridge's import cache (which keeps every layer's
-experts until the end), into the model, into megatron-core's save staging and into the file,
-and megatron-core plans the save with PyTorch's pairwise overlap check of chunks (7,680 expert
-chunks per key at 26B-A4B). With one tensor-parallel rank (TP = ETP = 1) none of that is
-needed: the HF tensor ``layers.N.experts.gate_up_proj`` [E, 2I, H] is, byte for byte, Megatron's
-``linear_fc1.weight0 .. weight{E-1}`` one after the other, and torch_dist stores global tensors.
+The mirror of :mod:`vime_gemma4_bridge.stream_export`. Through the general path, every weight
+goes into the model (Megatron-Bridge's import cache keeps every layer's HF experts until the load
+ends) and megatron-core's save stages a copy of every tensor and plans with PyTorch's pairwise
+chunk-overlap check (7,680 expert chunks per key at 26B-A4B): memory grows with the model, twice.
+With one tensor-parallel rank (TP = ETP = 1) the model is not needed to hold anything: torch_dist
+stores global tensors, and each chunk megatron-core would save is a byte range of a converted
+weight. So, when :func:`plan_import` accepts the model (every weight's sharded description tiles it
+in memory order, the experts are plain stacks):
 
-So, when :func:`~vime_gemma4_bridge.stream_export.plan_streamed_experts` accepts the model:
+* the model is built without random initialisation and its weights are never touched (they cost
+  address space, not memory);
+* every non-expert weight is converted by its Megatron-Bridge task (the bridge's
+  ``maybe_modify_loaded_hf_weight`` hook, then the mapping's ``hf_to_megatron``), one at a time,
+  and written as the torch_dist items megatron-core would write (key, global offset and shape from
+  the model's own ``sharded_state_dict``; ``torch.save`` per item, as PyTorch's writer does);
+* the routed experts are byte ranges of the HF tensor ``layers.N.experts.gate_up_proj`` [E, 2I, H]
+  (Megatron's ``linear_fc1.weight0 .. weight{E-1}`` one after the other): two threads copy them
+  from the shards into items meanwhile, one chunk in memory at a time. **Expert 0 of every layer**
+  also goes through its mapping, from a memory mapping of the shard, and must equal those bytes;
+* megatron-core saves the rest (``_extra_state`` objects, persistent buffers, common state), and
+  the checkpoint's ``.metadata`` gets the entries its planner would have made for the items.
 
-* the model is built without random initialisation (its expert weights are never touched, so
-  they cost address space, not memory);
-* every non-expert weight goes through its Megatron-Bridge task into the model (the bridge's
-  ``maybe_modify_loaded_hf_weight`` hook, then the mapping's ``hf_to_megatron``), and so does
-  **expert 0 of every layer**, read from a memory mapping of the HF shard;
-* megatron-core saves everything but the expert weights (their ``_extra_state`` included);
-* each expert chunk megatron-core would have saved — key, global offset and shape from the
-  model's own ``sharded_state_dict`` — is read from the HF shard into one buffer and written
-  as a torch_dist item (``torch.save`` of the chunk, as PyTorch's writer does), and the
-  checkpoint's ``.metadata`` gets the same entries megatron-core's planner would have made.
-
-Expert 0's chunks, as written, must equal what the mapping put into the model, or the import
-stops (:class:`~vime_gemma4_bridge.torch_dist_layout.ConversionError`). The checkpoint loads
-with megatron-core's own loader at every topology. Gap recorded in docs/UPSTREAM.md
+Memory is one converted weight plus one chunk per writer thread, whatever the model's size. The
+checkpoint loads with megatron-core's own loader at every topology (tests compare its metadata
+and every chunk with megatron-core's save of the same model). Gap recorded in docs/UPSTREAM.md
 (``load_weights_hf_to_megatron`` takes no task list and caches every grouped HF tensor).
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import mmap
 import os
 import pickle
 import threading
@@ -45,6 +47,7 @@ import torch
 from vime_gemma4_bridge.hf_io import HFCheckpoint, TensorLocation
 from vime_gemma4_bridge.stream_export import (
     StreamedExperts,
+    memory_ordered_pieces,
     plan_streamed_experts,
     stored_shape,
 )
@@ -55,63 +58,43 @@ __all__ = ["ImportPlan", "plan_import"]
 
 @dataclass
 class ImportPlan:
-    """What the streaming import writes itself and what goes through Megatron-Bridge's tasks."""
+    """What the streaming import writes, and through which Megatron-Bridge tasks."""
 
-    experts: StreamedExperts
-    loaded_tasks: list[Any]  # every non-expert task, and expert 0 of every HF expert tensor
+    experts: StreamedExperts  # routed experts, written as byte ranges of their HF tensors
+    converted_tasks: list[Any]  # every other task, and expert 0 of every HF expert tensor (checked)
+    pieces: dict[str, list[Any]]  # parameter name -> its ShardedTensors in memory order
     locations: dict[str, TensorLocation]  # HF expert tensor name -> its bytes in the shard
 
     def streamed_params(self) -> set[str]:
         """Parameter names whose torch_dist items this plan writes (megatron-core saves the rest)."""
-        return {expert.task.param_name for group in self.experts.groups.values() for expert in group}
-
-    def load(self, model_bridge: Any, hf_state: Mapping[str, torch.Tensor]) -> None:
-        """Every loaded task's HF weight(s) through the bridge's hook and the mapping, into the model.
-
-        Megatron-Bridge's own loop (``load_weights_hf_to_megatron``) at TP1·PP1, over a task list
-        it cannot take: the hook, ``hf_to_megatron``, a shape check, the copy. Expert tensors are
-        read from a memory mapping, so expert 0 costs its own pages, not its layer's.
-        """
-        state = _MappedExperts(hf_state, self.locations)
-        with torch.no_grad():
-            for task in self.loaded_tasks:
-                weights = model_bridge.maybe_modify_loaded_hf_weight(task.mapping.hf_param, state)
-                converted = task.mapping.hf_to_megatron(weights, task.megatron_module)
-                if converted is None:  # "not on this rank": at TP1·PP1·EP1 every rank holds every weight
-                    raise ConversionError(f"Megatron-Bridge converted nothing for {task.param_name} at TP1")
-                if tuple(converted.shape) != tuple(task.param_weight.shape):
-                    raise ConversionError(
-                        f"{task.mapping.hf_param} converts to {list(converted.shape)} but Megatron's "
-                        f"{task.param_name} is {list(task.param_weight.shape)}"
-                    )
-                task.param_weight.copy_(converted)
+        return set(self.pieces)
 
     @contextlib.contextmanager
-    def experts_written(self, iteration_dir: str | os.PathLike, *, threads: int = 2) -> Iterator[None]:
-        """Write every expert chunk into new files for ``iteration_dir`` while the body runs; index them after.
+    def streaming(self, iteration_dir: str | os.PathLike, *, threads: int = 2) -> Iterator[_Stream]:
+        """Write the experts in ``threads`` threads while the body runs; index every item after.
 
-        The body is megatron-core's save of everything else (its own writer process); the chunks
-        are written meanwhile by ``threads`` threads, one file each (``torch.save`` computes a
-        CRC per item, so one core alone would bound the write), beside ``iteration_dir`` (which
-        megatron-core wants empty when it starts). After the body the files move in and the
-        chunks join the checkpoint's ``.metadata``. One rank only. A failure in the body stops
-        the threads before it propagates, so the caller can remove what was written.
+        The body converts the other weights (:meth:`_Stream.convert`) and runs megatron-core's
+        save of the rest into ``iteration_dir``. Items are written beside ``iteration_dir`` (which
+        megatron-core wants empty when it starts) and move in after the body, when their entries
+        join the checkpoint's ``.metadata``. One rank only. A failure stops the threads before it
+        propagates, so the caller can remove what was written.
         """
         directory = Path(iteration_dir)
         stop = threading.Event()
         parts = _balanced(list(self.experts.groups), lambda name: self.locations[name].nbytes, threads)
+        stream = _Stream(self, directory.parent / f".{_FILE_PREFIX}{len(parts)}.distcp")
         with ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="vime-gemma4-experts") as pool:
             futures = [
-                pool.submit(self._write_file, directory.parent / f".{_FILE_PREFIX}{i}.distcp", names, stop)
+                pool.submit(self._write_experts, directory.parent / f".{_FILE_PREFIX}{i}.distcp", names, stop)
                 for i, names in enumerate(parts)
             ]
             try:
-                yield
+                yield stream
             except BaseException:
                 stop.set()
                 raise
-            written = [item for future in futures for item in future.result()]
-        for i in range(len(parts)):
+            written = [*stream.written, *(item for future in futures for item in future.result())]
+        for i in range(len(parts) + 1):
             os.replace(directory.parent / f".{_FILE_PREFIX}{i}.distcp", directory / f"{_FILE_PREFIX}{i}.distcp")
         from torch.distributed.checkpoint import FileSystemReader
 
@@ -122,29 +105,41 @@ class ImportPlan:
             pickle.dump(metadata, handle)
         os.replace(staged, directory / ".metadata")
 
-    def _write_file(self, path: Path, names: list[str], stop: threading.Event) -> list[_Written]:
-        """Write the chunks of HF tensors ``names`` to ``path`` as torch_dist items, in order."""
+    def _write_experts(self, path: Path, names: list[str], stop: threading.Event) -> list[_Written]:
+        """Write the expert chunks of HF tensors ``names`` to ``path`` as torch_dist items, in order.
+
+        Each chunk is written straight from a private memory mapping of the shard (a tensor over
+        exactly its bytes, so ``torch.save`` stores just them), and its pages are dropped from this
+        process once written: no copy in memory, one chunk resident.
+        """
         written: list[_Written] = []
         with open(path, "wb") as out:
             for name in names:
                 location = self.locations[name]
-                with open(location.file, "rb", buffering=0) as source:
-                    source.seek(location.offset)
-                    for number, expert in enumerate(self.experts.groups[name]):
-                        if stop.is_set():
-                            return written
-                        for piece in expert.pieces:
-                            chunk = _read_exactly(source, stored_shape(piece), piece.dtype, location)
-                            if number == 0 and not torch.equal(chunk.view(piece.data.shape), piece.data):
-                                raise ConversionError(
-                                    f"Megatron-Bridge's mapping of {expert.task.param_name} is not a plain "
-                                    f"slice of {name}; import with an explicit topology (e.g. --tp 1 --ep 1) "
-                                    "instead"
-                                )
-                            start = out.tell()
-                            torch.save(chunk, out)  # what PyTorch's writer stores per tensor item
-                            written.append(_Written(piece, path.name.lstrip("."), start, out.tell() - start))
+                with open(location.file, "rb") as handle:
+                    mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+                position = location.offset
+                for expert in self.experts.groups[name]:
+                    if stop.is_set():
+                        return written
+                    for piece in expert.pieces:
+                        count = piece.data.numel()
+                        chunk = torch.frombuffer(mapping, dtype=piece.dtype, count=count, offset=position)
+                        start = out.tell()
+                        torch.save(chunk.view(stored_shape(piece)), out)  # what PyTorch's writer stores per item
+                        written.append(_Written(piece, path.name.lstrip("."), start, out.tell() - start))
+                        del chunk
+                        _drop_pages(mapping, position, count * piece.dtype.itemsize)
+                        position += count * piece.dtype.itemsize
         return written
+
+
+def _drop_pages(mapping: mmap.mmap, offset: int, length: int) -> None:
+    """Release the whole pages of ``[offset, offset + length)`` from this process (the page cache keeps them)."""
+    start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (offset + length) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 @dataclass(frozen=True)
@@ -157,8 +152,61 @@ class _Written:
     length: int
 
 
-#: Our expert files' names: PyTorch's writer names its files ``__{rank}_{n}.distcp``, never so.
-_FILE_PREFIX = "__0_experts_"
+class _Stream:
+    """The main thread's part of a streaming import: every non-expert weight through its mapping, as items."""
+
+    def __init__(self, plan: ImportPlan, path: Path) -> None:
+        self.plan = plan
+        self.path = path
+        self.written: list[_Written] = []
+
+    def convert(self, model_bridge: Any, hf_state: Mapping[str, torch.Tensor]) -> None:
+        """Megatron-Bridge's load loop at TP1·PP1 over the plan's tasks, into items instead of the model.
+
+        Per task, as ``load_weights_hf_to_megatron`` does (it takes no task list): the bridge's hook,
+        the mapping's ``hf_to_megatron``, a shape check; then the converted weight's bytes are cut
+        into its chunks and written. Expert 0 of each HF expert tensor is checked, not written: its
+        conversion must equal the bytes the expert threads copy.
+        """
+        plan = self.plan
+        state = _MappedExperts(hf_state, plan.locations)
+        firsts = {id(group[0].task): name for name, group in plan.experts.groups.items()}
+        with open(self.path, "wb") as out, torch.no_grad():
+            for task in plan.converted_tasks:
+                weights = model_bridge.maybe_modify_loaded_hf_weight(task.mapping.hf_param, state)
+                converted = task.mapping.hf_to_megatron(weights, task.megatron_module)
+                if converted is None:  # "not on this rank": at TP1·PP1·EP1 every rank holds every weight
+                    raise ConversionError(f"Megatron-Bridge converted nothing for {task.param_name} at TP1")
+                param = task.param_weight
+                if tuple(converted.shape) != tuple(param.shape) or converted.dtype != param.dtype:
+                    raise ConversionError(
+                        f"{task.mapping.hf_param} converts to {converted.dtype} {list(converted.shape)} but "
+                        f"Megatron's {task.param_name} is {param.dtype} {list(param.shape)}"
+                    )
+                flat = converted.reshape(-1)
+                name = firsts.get(id(task))
+                if name is not None:
+                    if not torch.equal(flat, plan.locations[name].mapped()[0].reshape(-1)):
+                        raise ConversionError(
+                            f"Megatron-Bridge's mapping of {task.param_name} is not a plain slice of {name}; "
+                            "import with an explicit topology (e.g. --tp 1 --ep 1) instead"
+                        )
+                    continue
+                pieces, start = plan.pieces[task.param_name], 0
+                for piece in pieces:
+                    count = piece.data.numel()
+                    chunk = flat[start : start + count]
+                    if len(pieces) > 1 or chunk.untyped_storage().nbytes() != count * chunk.element_size():
+                        chunk = chunk.clone()  # torch.save stores a view's whole storage: give it one of its own
+                    chunk = chunk.view(stored_shape(piece))
+                    start += count
+                    offset = out.tell()
+                    torch.save(chunk, out)
+                    self.written.append(_Written(piece, self.path.name.lstrip("."), offset, out.tell() - offset))
+
+
+#: Our files' names: PyTorch's writer names its files ``__{rank}_{n}.distcp``, never so.
+_FILE_PREFIX = "__0_streamed_"
 
 
 def _balanced(names: list[str], size: Callable[[str], int], parts: int) -> list[list[str]]:
@@ -193,15 +241,6 @@ class _MappedExperts(Mapping):
 
     def __contains__(self, name: object) -> bool:
         return name in self._state
-
-
-def _read_exactly(source: Any, shape: tuple[int, ...], dtype: torch.dtype, location: TensorLocation) -> torch.Tensor:
-    """The next ``shape``/``dtype`` bytes of ``source`` as a tensor of its own (its storage is the chunk)."""
-    chunk = torch.empty(shape, dtype=dtype)
-    raw = chunk.view(-1).view(torch.uint8).numpy()
-    if source.readinto(raw) != raw.nbytes:
-        raise ConversionError(f"{location.file} ends inside a tensor (bytes from {location.offset:,}): truncated?")
-    return chunk
 
 
 def _index(metadata: Any, written: list[_Written]) -> None:
@@ -239,9 +278,10 @@ def _index(metadata: Any, written: list[_Written]) -> None:
 def plan_import(bridge: Any, model: list[torch.nn.Module], source: HFCheckpoint) -> ImportPlan | None:
     """The streaming plan for a one-chunk TP1 model built from ``bridge`` (an ``AutoBridge``), or ``None``.
 
-    ``None`` (the general path) when the model has several chunks, an expert is not a plain
-    stack (:func:`plan_streamed_experts`), an HF expert tensor is not the stack of its experts'
-    shapes and dtype, or this Megatron-Bridge build's bridge has no ``maybe_modify_loaded_hf_weight``.
+    ``None`` (the general path) when the model has several chunks, a weight's sharded description
+    does not tile it in memory order, an expert is not a plain stack (:func:`plan_streamed_experts`),
+    an HF expert tensor is not the stack of its experts' shapes and dtype, or this Megatron-Bridge
+    build's bridge has no ``maybe_modify_loaded_hf_weight``.
     """
     if len(model) != 1:
         return None
@@ -254,6 +294,12 @@ def plan_import(bridge: Any, model: list[torch.nn.Module], source: HFCheckpoint)
     experts = plan_streamed_experts(tasks, state, lambda piece: True)
     if experts is None:
         return None
+    pieces: dict[str, list[Any]] = {}
+    for task in tasks:
+        ordered = memory_ordered_pieces(state.get(task.param_name), task.param_weight)
+        if ordered is None:
+            return None
+        pieces[task.param_name] = ordered
     locations: dict[str, TensorLocation] = {}
     for name, group in experts.groups.items():
         param = group[0].task.param_weight
@@ -261,5 +307,5 @@ def plan_import(bridge: Any, model: list[torch.nn.Module], source: HFCheckpoint)
         if location is None or location.shape != (len(group), *param.shape) or location.dtype != param.dtype:
             return None
         locations[name] = location
-    streamed = {id(expert.task) for group in experts.groups.values() for expert in group[1:]}
-    return ImportPlan(experts, [task for task in tasks if id(task) not in streamed], locations)
+    copied = {id(expert.task) for group in experts.groups.values() for expert in group[1:]}
+    return ImportPlan(experts, [task for task in tasks if id(task) not in copied], pieces, locations)

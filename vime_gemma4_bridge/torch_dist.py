@@ -563,18 +563,18 @@ def import_job(hf_checkpoint: str, save: str, partial: str, topology: Topology) 
                 get_model_config(model[0]).perform_initialization = True
                 source = hf_io.HFCheckpoint(hf_checkpoint)
                 plan = stream_import.plan_import(bridge, model, source) if topology == Topology() else None
-            how = " (routed experts streamed from the HF shards)" if plan else ""
-            with phases("load_hf", f"loading {hf_checkpoint}{how}"):
-                if plan is None:
-                    bridge.load_hf_weights(model)
-                else:
-                    plan.load(bridge._model_bridge, bridge.hf_pretrained.state)
+            how = " (every weight streamed from the HF shards into torch_dist items)" if plan else ""
             if rank0:
                 (work / ITERATION_DIR).mkdir()
-            dist.barrier()
-            with phases("save", f"saving torch_dist to {out}"):
-                writing = plan is not None and rank0
-                with plan.experts_written(work / ITERATION_DIR) if writing else contextlib.nullcontext():
+            streaming = plan is not None and rank0  # one writer: the other ranks hold replicas
+            with plan.streaming(work / ITERATION_DIR) if streaming else contextlib.nullcontext() as stream:
+                with phases("load_hf", f"loading {hf_checkpoint}{how}"):
+                    if plan is None:
+                        bridge.load_hf_weights(model)
+                    elif stream is not None:
+                        stream.convert(bridge._model_bridge, bridge.hf_pretrained.state)
+                dist.barrier()
+                with phases("save", f"saving torch_dist to {out}"):
                     save_torch_dist(model, work / ITERATION_DIR, leave_out=plan.streamed_params() if plan else ())
             result: dict[str, Any] | None = None
             if rank0:
@@ -659,21 +659,24 @@ def export_job(
             elif plan.direct is None:
                 load_torch_dist(model, iteration_dir, streamed=plan.experts.modules())
             elif works:
-                plan.read_direct(reader)  # every chunk stored whole: no resharding, no load plan needed
+                plan.check_direct(reader)  # every chunk stored whole: read as the writer needs it
+        source = hf_io.HFCheckpoint(hf_checkpoint)
+        signature = source.signatures(source.language_model_names()) if rank0 else {}
         with phases("export", "exporting to HF names"):
             if plan is None:
                 exported = convert.collect_on_rank0(bridge, model)
+            elif plan.direct is not None and works:
+                exported = plan.lazy_tensors(bridge, model, reader, signature)
             elif works:
                 exported = convert.collect_on_rank0(bridge, model, conversion_tasks=plan.other_tasks)
-                if rank0:
-                    exported.update(stream_export.streamed_export_tensors(plan.experts, reader))
+            if plan is not None and rank0:
+                exported.update(stream_export.streamed_export_tensors(plan.experts, reader))
         result: dict[str, Any] | None = None
         if rank0:
-            source = hf_io.HFCheckpoint(hf_checkpoint)
-            _check_exported(exported, source.signatures(source.language_model_names()))
+            _check_exported(exported, signature)
             with phases("write", f"writing {output}"):
                 written = hf_io.write_hf_checkpoint(
-                    output, exported, source, max_shard_size=max_shard_size, force=force
+                    output, exported, source, max_shard_size=max_shard_size, force=force, show_progress=True
                 )
             tensor_bytes = sum(hf_io.tensor_nbytes(t) for t in exported.values())
             moved = phases.seconds["load"] + phases.seconds["export"] + phases.seconds["write"]
