@@ -1,6 +1,6 @@
 """``import`` at the default topology: the routed experts stream from the HF shards into torch_dist.
 
-The mirror of :mod:`vime_gemma4_bridge.stream_export`. Through the general path, every expert
+The mirror of :mod:`vime_gemma4_bridge.convert.stream_export`. Through the general path, every expert
 byte is copied from the HF shard into Megatron-Bridge's import cache (which keeps every layer's
 experts until the end), into the model, into megatron-core's save staging and into the file,
 and megatron-core plans the save with PyTorch's pairwise overlap check of chunks (7,680 expert
@@ -8,7 +8,7 @@ chunks per key at 26B-A4B). With one tensor-parallel rank (TP = ETP = 1) none of
 needed: the HF tensor ``layers.N.experts.gate_up_proj`` [E, 2I, H] is, byte for byte, Megatron's
 ``linear_fc1.weight0 .. weight{E-1}`` one after the other, and torch_dist stores global tensors.
 
-So, when :func:`~vime_gemma4_bridge.stream_export.plan_streamed_experts` accepts the model:
+So, when :func:`~vime_gemma4_bridge.convert.streaming.plan_streamed_experts` accepts the model:
 
 * the model is built without random initialisation (its expert weights are never touched, so
   they cost address space, not memory);
@@ -22,7 +22,7 @@ So, when :func:`~vime_gemma4_bridge.stream_export.plan_streamed_experts` accepts
   checkpoint's ``.metadata`` gets the same entries megatron-core's planner would have made.
 
 Expert 0's chunks, as written, must equal what the mapping put into the model, or the import
-stops (:class:`~vime_gemma4_bridge.torch_dist_layout.ConversionError`). The checkpoint loads
+stops (:class:`~vime_gemma4_bridge.io.torch_dist_layout.ConversionError`). The checkpoint loads
 with megatron-core's own loader at every topology. Gap recorded in docs/UPSTREAM.md
 (``load_weights_hf_to_megatron`` takes no task list and caches every grouped HF tensor).
 """
@@ -42,13 +42,9 @@ from typing import Any
 
 import torch
 
-from vime_gemma4_bridge.hf_io import HFCheckpoint, TensorLocation
-from vime_gemma4_bridge.stream_export import (
-    StreamedExperts,
-    plan_streamed_experts,
-    stored_shape,
-)
-from vime_gemma4_bridge.torch_dist_layout import ConversionError, sharded_state_dict
+from vime_gemma4_bridge.convert.streaming import StreamedExperts, plan_streamed_experts, stored_shape
+from vime_gemma4_bridge.io.hf import HFCheckpoint, TensorLocation
+from vime_gemma4_bridge.io.torch_dist_layout import ConversionError, sharded_state_dict
 
 __all__ = ["ImportPlan", "plan_import"]
 
