@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 8 scripts/convert_hf_to_torch_dist.py --hf-checkpoint HF --save DIR --tp 2 --pp 2 --ep 4
 
 Flags as in vime's tools/convert_hf_to_torch_dist.py (``--hf-checkpoint``, ``--save``) plus the topology;
-``--help`` lists them. The work is done by :mod:`vime_gemma4_bridge.torch_dist`; this file only runs it,
+``--help`` lists them. The work is done by :mod:`vime_gemma4_bridge.cli.import_export`; this file only runs it,
 so that the conversion also works from a checkout that is not installed.
 """
 
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     # that stdout carries only the report (--json: one JSON document). Warnings and errors still show.
     logging.basicConfig(level=logging.WARNING)
     logging.disable(logging.INFO)
-    from vime_gemma4_bridge.torch_dist import main_import
+    from vime_gemma4_bridge.cli.import_export import main_import
 
     return main_import(argv, prog=Path(__file__).name)
 

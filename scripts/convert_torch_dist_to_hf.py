@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 scripts/convert_torch_dist_to_hf.py --load DIR --hf-checkpoint HF --output OUT --ep 2
 
 ``--hf-checkpoint`` is the HF checkpoint the model came from: it supplies the config, tokenizer and
-non-language tensors. ``--help`` lists every flag. The work is done by :mod:`vime_gemma4_bridge.torch_dist`.
+non-language tensors. ``--help`` lists every flag. The work is done by :mod:`vime_gemma4_bridge.cli.import_export`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     # that stdout carries only the report (--json: one JSON document). Warnings and errors still show.
     logging.basicConfig(level=logging.WARNING)
     logging.disable(logging.INFO)
-    from vime_gemma4_bridge.torch_dist import main_export
+    from vime_gemma4_bridge.cli.import_export import main_export
 
     return main_export(argv, prog=Path(__file__).name)
 

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from vime_gemma4_bridge import bench, hf_io
+from vime_gemma4_bridge.cli import bench, bench_report
 from vime_gemma4_bridge.cli import main as cli
+from vime_gemma4_bridge.io import hf as hf_io
+from vime_gemma4_bridge.testing import synthetic
 
 LAST_LINE = re.compile(
     r"^export_vs_reference=(?P<export>[0-9.]+) import_vs_reference=(?P<import>[0-9.]+) "
@@ -26,20 +28,20 @@ LAST_LINE = re.compile(
 
 
 def test_spec_for_size_has_26b_proportions() -> None:
-    spec = bench.spec_for_size(150_000_000)
+    spec = synthetic.spec_for_size(150_000_000)
     assert spec.moe and spec.experts == 128 and spec.top_k == 8 and not spec.causal_lm
     assert spec.moe_intermediate_size * 4 == spec.hidden_size
-    total = bench._spec_bytes(spec)
+    total = synthetic.spec_bytes(spec)
     assert 0.8 < total / 150e6 < 1.2
     experts = spec.layers * spec.experts * 3 * spec.moe_intermediate_size * spec.hidden_size * 2
     assert experts / total > 0.85, "experts must dominate the bytes, as in 26B-A4B"
-    doubled = bench.spec_for_size(300_000_000, layers=2 * spec.layers, hidden=spec.hidden_size)
-    assert 1.95 < bench._spec_bytes(doubled) / total < 2.05
+    doubled = synthetic.spec_for_size(300_000_000, layers=2 * spec.layers, hidden=spec.hidden_size)
+    assert 1.95 < synthetic.spec_bytes(doubled) / total < 2.05
 
 
 def test_synthetic_checkpoint_is_a_gemma4_checkpoint(tmp_path: Path) -> None:
-    spec = bench.spec_for_size(3_000_000)
-    path, nbytes = bench.write_synthetic_checkpoint(tmp_path / "hf", spec, shards=3)
+    spec = synthetic.spec_for_size(3_000_000)
+    path, nbytes = synthetic.write_synthetic_checkpoint(tmp_path / "hf", spec, shards=3)
     source = hf_io.HFCheckpoint(path)
     assert len(set(source.weight_map.values())) > 1, "sharded with an index, like a published checkpoint"
     tensors = source.load()
@@ -47,7 +49,7 @@ def test_synthetic_checkpoint_is_a_gemma4_checkpoint(tmp_path: Path) -> None:
     assert "lm_head.weight" not in tensors  # tied, as save_pretrained writes it
     gate_up = tensors["model.language_model.layers.0.experts.gate_up_proj"]
     assert tuple(gate_up.shape) == (128, 2 * spec.moe_intermediate_size, spec.hidden_size)
-    assert bench.layer_experts_bytes(path) == 128 * 3 * spec.moe_intermediate_size * spec.hidden_size * 2
+    assert synthetic.layer_experts_bytes(path) == 128 * 3 * spec.moe_intermediate_size * spec.hidden_size * 2
 
 
 def test_bench_runs_and_prints_the_headline_last(local_world, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -57,7 +59,7 @@ def test_bench_runs_and_prints_the_headline_last(local_world, tmp_path: Path, ca
     assert [s.step for s in result.steps] == ["reference", "live", "copy", "import", "export"]
     for step in result.steps:
         assert step.seconds > 0 and step.cpu > 0 and step.peak_rss > 0 and step.gb_per_s > 0, step
-    lines = bench.format_report(result)
+    lines = bench_report.format_report(result)
     match = LAST_LINE.match(lines[-1])
     assert match, lines[-1]
     figures = {name: float(value) for name, value in match.groupdict().items()}

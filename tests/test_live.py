@@ -11,11 +11,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from vime_gemma4_bridge.cli import main as cli
+from vime_gemma4_bridge.convert.live import chunk_by_bytes, export_live_job
 from vime_gemma4_bridge.convert.topology import Topology
-from vime_gemma4_bridge.hf_io import HFCheckpoint
-from vime_gemma4_bridge.live import chunk_by_bytes, export_live_job, verify_update
+from vime_gemma4_bridge.io.hf import HFCheckpoint
 from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
 from vime_gemma4_bridge.verify.parity import excluded_token_ids, fixed_token_ids
+from vime_gemma4_bridge.verify.update import verify_update
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +26,8 @@ def hf_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _names_job(hf_checkpoint: str, topology: Topology) -> list[tuple[str, str, tuple[int, ...], str]]:
     from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.live import iter_hf_weights
     from vime_gemma4_bridge.convert.topology import init_model_parallel
-    from vime_gemma4_bridge.live import iter_hf_weights
 
     init_model_parallel(topology)
     bridge = convert.open_bridge(hf_checkpoint)

@@ -73,7 +73,7 @@ def test_roundtrip_is_bitwise(local_world, tiny_checkpoints, world: int, topolog
 
 def test_report_names_the_original_bug(tiny_checkpoints) -> None:
     """Planting the reported fault (expert 0 copied over expert E/EP) is caught by name."""
-    from vime_gemma4_bridge.hf_io import HFCheckpoint
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
     from vime_gemma4_bridge.verify.report import compare
 
     source = HFCheckpoint(tiny_checkpoints["moe-causal"])

@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vime_gemma4_bridge import hf_io, stream_export
+from vime_gemma4_bridge.io import hf as hf_io
+from vime_gemma4_bridge.io import torch_dist_reader
 
 
 def _item_file(tmp_path: Path, values: list[object]) -> tuple[mmap.mmap, list[tuple[int, int]]]:
@@ -37,7 +38,7 @@ def test_plain_items_are_located_exactly(tmp_path: Path, dtype: torch.dtype) -> 
     values = [torch.randn(3, 5, 7).to(dtype), torch.randn(4).to(dtype), torch.tensor(1.5).to(dtype)]
     buffer, spans = _item_file(tmp_path, values)
     for value, (offset, length) in zip(values, spans, strict=True):
-        start, got_dtype, shape = stream_export._plain_tensor_location(buffer, offset, length)
+        start, got_dtype, shape = torch_dist_reader._plain_tensor_location(buffer, offset, length)
         assert (got_dtype, shape) == (value.dtype, tuple(value.shape))
         read = torch.frombuffer(buffer, dtype=got_dtype, count=value.numel(), offset=start).view(shape)
         assert torch.equal(read, value)
@@ -49,8 +50,8 @@ def test_views_and_other_objects_are_left_to_torch_load(tmp_path: Path) -> None:
     values = [base[2:4], base.t(), {"not": "a tensor"}, [torch.ones(2)]]
     buffer, spans = _item_file(tmp_path, values)
     for offset, length in spans:
-        with pytest.raises(stream_export._NotPlain):
-            stream_export._plain_tensor_location(buffer, offset, length)
+        with pytest.raises(torch_dist_reader._NotPlain):
+            torch_dist_reader._plain_tensor_location(buffer, offset, length)
 
 
 def test_lazy_tensors_write_loadable_safetensors(tmp_path: Path) -> None:
@@ -89,7 +90,7 @@ def test_tensor_locations_are_the_safetensors_bytes(tmp_path: Path) -> None:
 
 
 def test_expert_files_are_cut_in_order_by_bytes() -> None:
-    from vime_gemma4_bridge.stream_import import _balanced
+    from vime_gemma4_bridge.convert.stream_import import _balanced
 
     sizes = {"a": 4, "b": 4, "c": 1, "d": 3, "e": 4}
     assert _balanced(list(sizes), sizes.__getitem__, 2) == [["a", "b"], ["c", "d", "e"]]

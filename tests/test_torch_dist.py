@@ -22,16 +22,10 @@ from pathlib import Path
 import pytest
 
 from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.convert.torch_dist_jobs import export_job, import_job
+from vime_gemma4_bridge.io.torch_dist import ITERATION_DIR, RUN_CONFIG_NAME, SIDECAR_NAME, TRACKER_NAME
 from vime_gemma4_bridge.runtime.world import RankError
 from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
-from vime_gemma4_bridge.torch_dist import (
-    ITERATION_DIR,
-    RUN_CONFIG_NAME,
-    SIDECAR_NAME,
-    TRACKER_NAME,
-    export_job,
-    import_job,
-)
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -85,7 +79,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def assert_same_checkpoint(source: Path, output: Path, *, ep: int = 2) -> None:
     """Every tensor of ``output`` bitwise equal to ``source`` (language model and vision tower), same side files."""
-    from vime_gemma4_bridge import hf_io
+    from vime_gemma4_bridge.io import hf as hf_io
     from vime_gemma4_bridge.verify import report
 
     reference, candidate = hf_io.HFCheckpoint(source), hf_io.HFCheckpoint(output)
@@ -223,7 +217,7 @@ def test_run_config_instantiates_the_provider(single_rank) -> None:
     """Megatron-Bridge's loader can rebuild the model from run_config.yaml (allow-listed targets)."""
     from vime_gemma4_bridge.core.provider import Gemma4TextModelProvider
     from vime_gemma4_bridge.core.spec import gemma4_block_spec
-    from vime_gemma4_bridge.torch_dist import provider_from_run_config
+    from vime_gemma4_bridge.io.torch_dist import provider_from_run_config
 
     provider = provider_from_run_config(single_rank["save"] / ITERATION_DIR)
     assert type(provider) is Gemma4TextModelProvider
@@ -276,7 +270,7 @@ def test_import_refusals(checkpoints, capsys, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def sharded(checkpoints, tmp_path_factory) -> Path:
     """moe-vl re-written in 200 kB shards with an index."""
-    from vime_gemma4_bridge import hf_io
+    from vime_gemma4_bridge.io import hf as hf_io
 
     source = hf_io.HFCheckpoint(checkpoints["moe-vl"])
     out = tmp_path_factory.mktemp("sharded") / "moe-vl-sharded"
@@ -286,7 +280,7 @@ def sharded(checkpoints, tmp_path_factory) -> Path:
 
 
 def test_damaged_hf_checkpoint_refusals(sharded, capsys, tmp_path: Path) -> None:
-    from vime_gemma4_bridge.hf_io import INDEX_NAME
+    from vime_gemma4_bridge.io.hf import INDEX_NAME
 
     save = tmp_path / "out"
     shards = sorted(sharded.glob("*.safetensors"))
@@ -476,7 +470,7 @@ def test_ep8_import_exports_at_tp2pp2_on_4_ranks(local_world, imported_8, tmp_pa
 
 def test_tp2pp2ep4_import_exports_at_tp1pp1ep2_on_2_ranks(local_world, imported_8, tmp_path: Path) -> None:
     """The acceptance path: sharded output with an index, sources untouched, every tensor bitwise."""
-    from vime_gemma4_bridge import hf_io
+    from vime_gemma4_bridge.io import hf as hf_io
 
     a = imported_8["A"]
     out = tmp_path / "A-ep2"
@@ -500,9 +494,10 @@ def _provider_rebuild_job(save: str, hf_checkpoint: str, topology: Topology) -> 
     """Build the model from run_config.yaml alone (as Megatron-Bridge's loader does), load, export, compare."""
     import torch.distributed as dist
 
-    from vime_gemma4_bridge import hf_io, torch_dist
     from vime_gemma4_bridge.convert import model as convert
     from vime_gemma4_bridge.convert.topology import init_model_parallel
+    from vime_gemma4_bridge.io import hf as hf_io
+    from vime_gemma4_bridge.io import torch_dist
     from vime_gemma4_bridge.verify import report
 
     init_model_parallel(topology)
@@ -576,17 +571,17 @@ def test_default_topology_export_streams_experts_when_stored_whole(
 
 def _import_failing_after_save(hf_checkpoint: str, save: str, partial: str, topology: Topology) -> dict:
     """import_job with a failure after the torch_dist files are written, before the checkpoint is complete."""
-    from vime_gemma4_bridge import torch_dist
+    from vime_gemma4_bridge.io import torch_dist
 
     def fail(*args, **kwargs):
         raise OSError("disk full (injected)")
 
-    original = torch_dist._write_run_config
-    torch_dist._write_run_config = fail
+    original = torch_dist.write_run_config
+    torch_dist.write_run_config = fail
     try:
-        return torch_dist.import_job(hf_checkpoint, save, partial, topology)
+        return import_job(hf_checkpoint, save, partial, topology)
     finally:
-        torch_dist._write_run_config = original
+        torch_dist.write_run_config = original
 
 
 def test_failed_import_leaves_nothing(local_world, checkpoints, tmp_path: Path) -> None:
@@ -601,12 +596,12 @@ def test_failed_import_leaves_nothing(local_world, checkpoints, tmp_path: Path) 
 
 def _import_general_path(hf_checkpoint: str, save: str, partial: str, topology: Topology) -> dict:
     """import_job with the streaming plan declined: megatron-core saves every expert itself (the reference)."""
-    from vime_gemma4_bridge import stream_import, torch_dist
+    from vime_gemma4_bridge.convert import stream_import
 
     original = stream_import.plan_import
     stream_import.plan_import = lambda *args: None
     try:
-        return torch_dist.import_job(hf_checkpoint, save, partial, topology)
+        return import_job(hf_checkpoint, save, partial, topology)
     finally:
         stream_import.plan_import = original
 
@@ -615,7 +610,7 @@ def assert_same_torch_dist(reference: Path, candidate: Path) -> None:
     """The same PyTorch checkpoint metadata (keys, shapes, dtypes, chunks, items, plans) and every chunk bitwise."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from vime_gemma4_bridge.stream_export import TorchDistReader
+    from vime_gemma4_bridge.io.torch_dist_reader import TorchDistReader
 
     def layout(path: Path) -> tuple[dict, set, set]:
         metadata = FileSystemReader(str(path)).read_metadata()
@@ -684,7 +679,6 @@ def test_streamed_import_loads_with_megatron_core_at_other_topologies(
 
 def _import_with_expert0_altered(hf_checkpoint: str, save: str, partial: str, topology: Topology) -> dict:
     """import_job where the gate/up mapping is not a plain slice of the HF tensor (its output shifted)."""
-    from vime_gemma4_bridge import torch_dist
     from vime_gemma4_bridge.compat import mappings
 
     original = mappings.FusedGatedExpertMapping.hf_to_megatron
@@ -694,14 +688,14 @@ def _import_with_expert0_altered(hf_checkpoint: str, save: str, partial: str, to
 
     mappings.FusedGatedExpertMapping.hf_to_megatron = shifted
     try:
-        return torch_dist.import_job(hf_checkpoint, save, partial, topology)
+        return import_job(hf_checkpoint, save, partial, topology)
     finally:
         mappings.FusedGatedExpertMapping.hf_to_megatron = original
 
 
 def _import_failing_in_save(hf_checkpoint: str, save: str, partial: str, topology: Topology) -> dict:
     """import_job whose megatron-core save fails while the expert files are being written."""
-    from vime_gemma4_bridge import torch_dist
+    from vime_gemma4_bridge.io import torch_dist
 
     def fail(*args, **kwargs):
         raise OSError("no space left on device (injected)")
@@ -709,7 +703,7 @@ def _import_failing_in_save(hf_checkpoint: str, save: str, partial: str, topolog
     original = torch_dist.save_torch_dist
     torch_dist.save_torch_dist = fail
     try:
-        return torch_dist.import_job(hf_checkpoint, save, partial, topology)
+        return import_job(hf_checkpoint, save, partial, topology)
     finally:
         torch_dist.save_torch_dist = original
 

@@ -12,8 +12,7 @@ from vime_gemma4_bridge.cli import errors
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``vime-gemma4`` parser: the sub-commands in ``--help`` order, each with ``--debug`` and ``--verbose``."""
-    from vime_gemma4_bridge import bench, live, torch_dist
-    from vime_gemma4_bridge.cli import compare, demo, env, parity, probe, roundtrip, tiny
+    from vime_gemma4_bridge.cli import bench, compare, demo, env, import_export, live, parity, probe, roundtrip, tiny
 
     parser = argparse.ArgumentParser(
         prog="vime-gemma4",
@@ -28,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_export_live_parser(sub)
     live.add_verify_parser(sub)
     parity.add_parser(sub)
-    torch_dist.add_parsers(sub)
+    import_export.add_parsers(sub)
     bench.add_parser(sub)
     env.add_parser(sub)
     for command in sub.choices.values():

@@ -14,7 +14,7 @@ from vime_gemma4_bridge.runtime.launch import add_launch_arguments, is_reporting
 from vime_gemma4_bridge.verify.parity import DEFAULT_BATCH, DTYPE_NAMES, ParityResult, default_seq_len, parity_job
 
 if TYPE_CHECKING:
-    from vime_gemma4_bridge.hf_io import HFCheckpoint
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
 
 PROG = "vime-gemma4 parity"
 DESCRIPTION = """\
@@ -70,7 +70,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Every refusal before ranks start (exit 2); then both forwards: exit 0 iff within tolerance."""
     from vime_gemma4_bridge.cli import preflight
-    from vime_gemma4_bridge.convert.topology import text_config_dict
+    from vime_gemma4_bridge.core.hf_layout import text_config_dict
 
     def forward_shape(topology: Topology, source: HFCheckpoint) -> int:
         seq_len = args.seq_len if args.seq_len is not None else default_seq_len(text_config_dict(source.config))

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vime_gemma4_bridge.convert.topology import Topology, validate_model_topology
-from vime_gemma4_bridge.hf_io import SAFETENSORS_DTYPES, CheckpointError, HFCheckpoint
+from vime_gemma4_bridge.io.hf import SAFETENSORS_DTYPES, CheckpointError, HFCheckpoint
 from vime_gemma4_bridge.runtime.launch import requested_world_size
 
 #: Problems listed one per line before the rest are counted.

@@ -12,7 +12,7 @@ from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.runtime.launch import add_launch_arguments, is_reporting_process, launch
 
 if TYPE_CHECKING:
-    from vime_gemma4_bridge.hf_io import HFCheckpoint
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
 
 PROG = "vime-gemma4 probe"
 DESCRIPTION = """\
@@ -67,7 +67,7 @@ def parse_id_list(text: str, limit: int, flag: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     """Validate everything before starting ranks (bad input: one line on stderr, exit 2); exit 0 iff all ok."""
     from vime_gemma4_bridge.cli import preflight
-    from vime_gemma4_bridge.convert.topology import text_config_dict
+    from vime_gemma4_bridge.core.hf_layout import text_config_dict
     from vime_gemma4_bridge.verify.probe import format_probe, probe_job
 
     def chosen(topology: Topology, source: HFCheckpoint) -> tuple[list[int] | None, list[int] | None]:

@@ -43,8 +43,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Every refusal before ranks start (exit 2); then the round trip: exit 0 iff bitwise identical."""
-    from vime_gemma4_bridge import hf_io
     from vime_gemma4_bridge.cli import preflight
+    from vime_gemma4_bridge.io import hf as hf_io
 
     def output_checks(topology: Topology, source: hf_io.HFCheckpoint) -> int:
         if args.output:

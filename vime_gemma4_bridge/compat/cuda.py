@@ -1,6 +1,6 @@
-"""Running megatron-core code that assumes CUDA on a host without it (docs/UPSTREAM.md 2, 9).
+"""Running megatron-core code that assumes CUDA on a host without it (docs/UPSTREAM.md 2, 9, 16).
 
-Both shims do nothing where CUDA is available, and each is active only inside a ``with`` block.
+All three shims do nothing where CUDA is available, and each is active only inside a ``with`` block.
 """
 
 from __future__ import annotations
@@ -50,3 +50,24 @@ def tensors_stay_on_host() -> Iterator[None]:
         yield
     finally:
         torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def cpu_checkpointing() -> Iterator[None]:
+    """While active on a host without CUDA, megatron-core's torch_dist reader and writer run (docs/UPSTREAM.md 16).
+
+    ``FileSystemWriterAsync.preload_tensors`` calls ``torch.cuda.synchronize()`` after staging tensors to
+    the CPU, and ``save_state_dict_async_finalize`` broadcasts its failure flag in a tensor on
+    ``torch.cuda.current_device()``; without a driver both raise. Here there is nothing to synchronize
+    and the flag lives on the CPU (gloo).
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    try:
+        with host_cuda_device():
+            yield
+    finally:
+        torch.cuda.synchronize = original  # type: ignore[assignment]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vime_gemma4_bridge.compat.parallel_state import reset_model_parallel, seed_cuda_rng_tracker
+from vime_gemma4_bridge.core.hf_layout import text_config_dict
 
 
 @dataclass(frozen=True)
@@ -133,11 +134,6 @@ class Topology:
 
 class TopologyError(ValueError):
     """The model's shape does not split over the requested topology."""
-
-
-def text_config_dict(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The text part of a HF ``config.json`` dict (VL checkpoints nest it under ``text_config``)."""
-    return config.get("text_config") or config
 
 
 def validate_model_topology(config: Mapping[str, Any], topology: Topology) -> None:

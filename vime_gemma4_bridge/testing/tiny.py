@@ -34,8 +34,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import secrets
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vime_gemma4_bridge.io.commit import atomic_directory
 from vime_gemma4_bridge.testing.tokenizer import BOS_ID, EOS_ID, MIN_VOCAB_SIZE, PAD_ID, TOKEN_ID, build_tokenizer
 from vime_gemma4_bridge.testing.weights import assert_all_distinct, randomize_, saved_tensors
 
@@ -278,31 +277,6 @@ def is_empty_dir(path: Path) -> bool:
     return path.is_dir() and not any(path.iterdir())
 
 
-def _new_sibling_dir(out: Path, tag: str) -> Path:
-    """A fresh hidden directory next to ``out`` (same filesystem, so the final rename is atomic).
-
-    ``os.mkdir`` rather than ``tempfile.mkdtemp`` so the checkpoint gets the caller's umask
-    instead of mode 0700, which would hide it from other users and containers.
-    """
-    for _ in range(100):
-        candidate = out.parent / f".{out.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            candidate.mkdir()
-        except FileExistsError:
-            continue
-        return candidate
-    raise FileExistsError(f"could not create a temporary directory next to {out}")
-
-
-def _apply_umask(directory: Path) -> None:
-    """Give written files the usual ``0666 & ~umask`` mode (some writers create them 0600)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    for f in directory.iterdir():
-        if f.is_file():
-            f.chmod(0o666 & ~mask)
-
-
 def _read_back(directory: Path) -> dict[str, torch.Tensor]:
     """All tensors of the ``*.safetensors`` files in ``directory``."""
     from safetensors import safe_open
@@ -323,11 +297,11 @@ def write_tiny_checkpoint(
     """Build ``spec`` and write a loadable HF checkpoint to ``out_dir``; return its path.
 
     ``out_dir`` must not exist or be an empty directory, unless ``force`` (then it is replaced).
-    Everything is written into a hidden temporary sibling, verified (the safetensors are read
+    Everything is written into a hidden partial sibling, verified (the safetensors are read
     back, compared with the model bit for bit and checked with :func:`assert_all_distinct`)
-    and only then renamed into place, so an interrupted or failed run never leaves a
-    directory that looks like a complete checkpoint. Besides the HF files, ``tiny_spec.json``
-    records the spec so a checkpoint can be regenerated.
+    and only then committed (:func:`vime_gemma4_bridge.io.commit.atomic_directory`), so an
+    interrupted or failed run never leaves a directory that looks like a complete checkpoint.
+    Besides the HF files, ``tiny_spec.json`` records the spec so a checkpoint can be regenerated.
     """
     spec = spec or TinySpec()
     out = Path(out_dir).absolute()
@@ -339,23 +313,11 @@ def write_tiny_checkpoint(
     expected = saved_tensors(model)
     assert_all_distinct(expected)  # never write a checkpoint that cannot catch a mix-up
 
-    tmp = _new_sibling_dir(out, "partial")
-    try:
+    with atomic_directory(out) as tmp:
         model.save_pretrained(tmp)
         build_tokenizer(spec.vocab_size).save_pretrained(tmp)
         (tmp / "tiny_spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2, sort_keys=True) + "\n")
         _verify_written(tmp, expected)
-        _apply_umask(tmp)
-        if out.exists() or out.is_symlink():
-            trash = _new_sibling_dir(out, "old")
-            os.replace(out, trash / "old")
-            os.replace(tmp, out)
-            shutil.rmtree(trash)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

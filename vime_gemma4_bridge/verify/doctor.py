@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from vime_gemma4_bridge.convert.topology import text_config_dict
+from vime_gemma4_bridge.core.hf_layout import text_config_dict
 from vime_gemma4_bridge.verify.compare import TensorFiles, compare_tensors, difference, walk
 from vime_gemma4_bridge.verify.diagnose import Evidence, diagnose
 from vime_gemma4_bridge.verify.doctor_report import DoctorReport, ExpertRow, ExpertTable, TensorRecord
@@ -44,7 +44,7 @@ _ATTN_PROJ_RE = re.compile(r"\.self_attn\.(?P<which>[qkv])_proj\.weight$")
 
 def compare_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float | None = None) -> DoctorReport:
     """Compare checkpoint B against reference A; raises ``CheckpointError`` (a ``ValueError``) on bad input."""
-    from vime_gemma4_bridge.hf_io import HFCheckpoint
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
 
     if atol is not None and not atol >= 0:
         raise ValueError(f"--atol must be a number >= 0, got {atol}")

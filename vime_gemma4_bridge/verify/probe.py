@@ -192,7 +192,7 @@ def judge_probe(
     world: int = 1,
 ) -> dict[str, Any]:
     """Compare every recorded stage fingerprint with what it must hold, derived from the HF source."""
-    from vime_gemma4_bridge.hf_io import HFCheckpoint
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
 
     source = HFCheckpoint(hf_checkpoint)
     by_key: dict[tuple[int, int, int, str], list[dict]] = defaultdict(list)

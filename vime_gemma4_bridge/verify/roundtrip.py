@@ -22,7 +22,6 @@ def roundtrip_job(
     With ``output``, rank 0 also writes the exported model as a complete HF checkpoint, but only
     when it is bitwise identical (``result["output"]`` is then its path, else ``None``).
     """
-    from vime_gemma4_bridge import hf_io
     from vime_gemma4_bridge.convert.model import (
         broadcast_from_rank0,
         build_model,
@@ -31,6 +30,7 @@ def roundtrip_job(
         open_bridge,
     )
     from vime_gemma4_bridge.convert.topology import init_model_parallel
+    from vime_gemma4_bridge.io import hf as hf_io
     from vime_gemma4_bridge.verify import report
 
     init_model_parallel(topology)

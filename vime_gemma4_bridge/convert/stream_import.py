@@ -1,6 +1,6 @@
 """``import`` at the default topology: every weight streams from the HF shards into torch_dist items.
 
-The mirror of :mod:`vime_gemma4_bridge.stream_export`. Through the general path, every weight
+The mirror of :mod:`vime_gemma4_bridge.convert.stream_export`. Through the general path, every weight
 goes into the model (Megatron-Bridge's import cache keeps every layer's HF experts until the load
 ends) and megatron-core's save stages a copy of every tensor and plans with PyTorch's pairwise
 chunk-overlap check (7,680 expert chunks per key at 26B-A4B): memory grows with the model, twice.
@@ -44,14 +44,14 @@ from typing import Any
 
 import torch
 
-from vime_gemma4_bridge.hf_io import HFCheckpoint, TensorLocation
-from vime_gemma4_bridge.stream_export import (
+from vime_gemma4_bridge.convert.streaming import (
     StreamedExperts,
     memory_ordered_pieces,
     plan_streamed_experts,
     stored_shape,
 )
-from vime_gemma4_bridge.torch_dist_layout import ConversionError, sharded_state_dict
+from vime_gemma4_bridge.io.hf import HFCheckpoint, TensorLocation
+from vime_gemma4_bridge.io.torch_dist_layout import ConversionError, sharded_state_dict
 
 __all__ = ["ImportPlan", "plan_import"]
 

@@ -5,18 +5,22 @@ The language-model filter lives here, in :func:`language_model_prefix` and
 ``model.language_model.`` (VL checkpoint) or ``model.`` (CausalLM). Only those enter Megatron
 and the live export; everything else (vision/audio towers and their embedders) is copied
 unchanged from the source when a complete HF checkpoint is written.
+
+:func:`save_safetensors` (behind :func:`write_shards`) is the one safetensors shard writer of the
+package: the export, ``roundtrip``, ``export-live`` and the bench's synthetic checkpoint all write
+through it, one tensor (or one piece of a :class:`LazyTensor`) at a time. Output directories are
+committed by :mod:`vime_gemma4_bridge.io.commit`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import math
 import mmap
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX
+from vime_gemma4_bridge.io.commit import atomic_directory, remove_stale_partials
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -212,8 +217,7 @@ def prepare_output(path: str | os.PathLike, *, force: bool) -> Path:
         probe.rmdir()
     except OSError as error:
         raise CheckpointError(f"cannot write output {out}: {error.strerror} ({parent}); choose another path") from None
-    for stale in out.parent.glob(f".{glob.escape(out.name)}.partial*"):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a run that was killed (SIGKILL) while writing
+    remove_stale_partials(out)  # left by a run that was killed (SIGKILL) while writing
     return out
 
 
@@ -262,33 +266,29 @@ def write_hf_checkpoint(
         missing = sorted(expected - set(language_tensors))[:3]
         extra = sorted(set(language_tensors) - expected)[:3]
         raise CheckpointError(f"refusing to write an incomplete checkpoint: missing {missing}, unexpected {extra}")
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
-        for item in source.path.iterdir():
-            if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != INDEX_NAME:
-                shutil.copy2(item, tmp / item.name)
-        # Copied from the source shard as they are written, not loaded beforehand: the vision tower
-        # costs no memory, whatever its size.
-        other_tensors = {name: source.lazy(name) for name in source.names() if name not in expected}
-        ordered = [
-            (name, language_tensors[name] if name in expected else other_tensors[name]) for name in source.names()
-        ]
-        with _progress(f"Writing {out.name}", len(ordered), show_progress) as advance:
-            _write_shards(tmp, ordered, max_shard_size, advance)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        with atomic_directory(out) as tmp:
+            copy_side_files(source, tmp)
+            # Copied from the source shard as they are written, not loaded beforehand: the vision
+            # tower costs no memory, whatever its size.
+            other_tensors = {name: source.lazy(name) for name in source.names() if name not in expected}
+            ordered = [
+                (name, language_tensors[name] if name in expected else other_tensors[name]) for name in source.names()
+            ]
+            with _progress(f"Writing {out.name}", len(ordered), show_progress) as advance:
+                write_shards(tmp, ordered, max_shard_size, advance=advance)
     except OSError as error:  # disk full, permission denied, read-only file system, ...
-        shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
-            f"writing {out} failed: {error.strerror or error} ({error.filename or tmp}); nothing was written"
+            f"writing {out} failed: {error.strerror or error} ({error.filename or out.parent}); nothing was written"
         ) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
+
+
+def copy_side_files(source: HFCheckpoint, directory: Path) -> None:
+    """Copy every file of ``source`` that is not weights or their index (config, tokenizer, ...) into ``directory``."""
+    for item in source.path.iterdir():
+        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != INDEX_NAME:
+            shutil.copy2(item, directory / item.name)
 
 
 @contextlib.contextmanager
@@ -311,12 +311,20 @@ def _progress(description: str, total: int, show: bool) -> Iterator[Callable[[],
         yield lambda: progress.update(task, advance=1)
 
 
-def _write_shards(
+def write_shards(
     directory: Path,
-    tensors: list[tuple[str, torch.Tensor | LazyTensor]],
+    tensors: Sequence[tuple[str, torch.Tensor | LazyTensor]],
     max_shard_size: int,
+    *,
+    always_index: bool = False,
     advance: Callable[[], None] = lambda: None,
 ) -> None:
+    """Write ``tensors`` in order as safetensors shards of at most ``max_shard_size`` bytes, with an index.
+
+    A tensor larger than the limit is a shard alone. One shard is ``model.safetensors`` without an
+    index (as transformers writes it) unless ``always_index``; several are
+    ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``.
+    """
     shards: list[list[tuple[str, torch.Tensor | LazyTensor]]] = [[]]
     size = 0
     for name, tensor in tensors:
@@ -327,7 +335,7 @@ def _write_shards(
         shards[-1].append((name, tensor))
         size += nbytes
     metadata = {"format": "pt"}
-    if len(shards) == 1:
+    if len(shards) == 1 and not always_index:
         save_safetensors(directory / SINGLE_NAME, shards[0], metadata=metadata, advance=advance)
         return
     weight_map = {}
@@ -361,7 +369,7 @@ DTYPE_BYTES = {name: dtype.itemsize for dtype, name in SAFETENSORS_DTYPES.items(
 
 def save_safetensors(
     path: Path,
-    tensors: list[tuple[str, torch.Tensor | LazyTensor]],
+    tensors: Sequence[tuple[str, torch.Tensor | LazyTensor]],
     *,
     metadata: Mapping[str, str],
     advance: Callable[[], None] = lambda: None,

@@ -1,8 +1,8 @@
 """How a torch_dist checkpoint is laid out: the model's sharded state dict as Megatron saves it, the keys that
 are not weights, and the conversion error (shared by both directions).
 
-Kept apart from :mod:`vime_gemma4_bridge.torch_dist` (the commands and jobs) so that the streaming
-export, which those jobs use, reads the same layout without importing them back.
+Kept apart from :mod:`vime_gemma4_bridge.io.torch_dist` (the checkpoint on disk: its checks, save and load)
+so that the streaming paths (convert/) use the same layout without the save and load.
 """
 
 from __future__ import annotations

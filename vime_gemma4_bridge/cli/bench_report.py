@@ -1,0 +1,227 @@
+"""The bench's figures and their report: every step's measurement, the ratios, the targets, the headline.
+
+Why apart from the command (:mod:`vime_gemma4_bridge.cli.bench`): the report is the bench's contract —
+the table, the phase lines, one ``target …: met|MISSED`` line per target of the performance issue
+(reported, never asserted) and, last, the machine-readable headline line
+``export_vs_reference=.. import_vs_reference=.. live_vs_copy=.. ...``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from vime_gemma4_bridge.testing.tiny import TinySpec
+
+__all__ = ["BenchResult", "Step", "format_report"]
+
+#: Targets of the performance issue; reported, never asserted.
+TARGET_CONVERSION_VS_REFERENCE = 1.5
+TARGET_DOUBLING_RATIO = 2.2
+TARGET_LIVE_VS_COPY = 3.0
+#: import / export peak extra RSS at ``--quick``: at most this plus one layer's stacked experts.
+TARGET_PEAK_EXTRA_BASE = 1536 * 10**6
+#: import / export peak extra RSS at twice the bytes (``--scaling``), over the first size's.
+TARGET_PEAK_DOUBLING = 1.2
+STEPS = ("reference", "import", "export", "live", "copy")
+
+
+@dataclass
+class Step:
+    """One measured step at one size and world size."""
+
+    step: str
+    size_bytes: int
+    nproc: int
+    topology: str
+    seconds: float  # wall time, slowest rank
+    cpu: float  # CPU seconds, all ranks together
+    peak_rss: int  # max over ranks
+    extra_rss: int  # max over ranks of (peak - RSS at the step's start)
+    phases: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def gb_per_s(self) -> float:
+        """Checkpoint tensor bytes per wall second (decimal GB)."""
+        return self.size_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class BenchResult:
+    """Everything one bench run measured, and the headline figures derived from it."""
+
+    sizes: list[int]  # tensor bytes of each synthetic checkpoint
+    specs: list[TinySpec]
+    nprocs: list[int]
+    buffer_size: int
+    layer_experts: int
+    steps: list[Step]
+    generate_seconds: list[float]
+    writer_startup: dict[int, float] = field(default_factory=dict)  # nproc -> seconds (slowest rank)
+
+    def find(self, step: str, size: int, nproc: int) -> Step | None:
+        """The measurement of ``step`` at ``size`` bytes and ``nproc`` ranks (the reference: any nproc)."""
+        for s in self.steps:
+            if s.step == step and s.size_bytes == size and (s.nproc == nproc or step == "reference"):
+                return s
+        return None
+
+    @property
+    def headline_nproc(self) -> int:
+        """The world size of the last line's figures: 1 if it was measured, else the smallest."""
+        return 1 if 1 in self.nprocs else min(self.nprocs)
+
+    def ratio(self, step: str, size: int | None = None, nproc: int | None = None, *, cpu: bool = False) -> float:
+        """``step`` time / reference time at ``size`` (default: the first) and ``nproc`` (default: headline)."""
+        size = self.sizes[0] if size is None else size
+        nproc = self.headline_nproc if nproc is None else nproc
+        measured, reference = self.find(step, size, nproc), self.find("reference", size, nproc)
+        if measured is None or reference is None:
+            return math.nan
+        num, den = (measured.cpu, reference.cpu) if cpu else (measured.seconds, reference.seconds)
+        return num / den if den > 0 else math.nan
+
+    def peak_extra(self, step: str, size: int | None = None) -> int:
+        """Peak extra RSS of ``step`` at ``size`` (default: the first) and :attr:`headline_nproc`."""
+        found = self.find(step, self.sizes[0] if size is None else size, self.headline_nproc)
+        return found.extra_rss if found else 0
+
+    def live_vs_copy(self) -> float:
+        """Live export wall time over the plain copy of the same weights, at the first size (headline nproc)."""
+        live = self.find("live", self.sizes[0], self.headline_nproc)
+        copy = self.find("copy", self.sizes[0], self.headline_nproc)
+        return live.seconds / copy.seconds if live and copy and copy.seconds > 0 else math.nan
+
+    def peak_doubling(self, step: str) -> float:
+        """Peak extra RSS of ``step`` at the second size over the first's (``--scaling``: twice the bytes)."""
+        if len(self.sizes) < 2 or not self.peak_extra(step):
+            return math.nan
+        return self.peak_extra(step, self.sizes[1]) / self.peak_extra(step)
+
+    def doubling(self, step: str, *, cpu: bool = False) -> float:
+        """Time at the second size / at the first, at :attr:`headline_nproc` (wall, or CPU with ``cpu``).
+
+        With ``--scaling`` the second size is the first doubled (twice the layers and vocabulary);
+        with two ``--size-gb`` values it is the second value, and the report states the byte ratio.
+        CPU time is given too because one stall of a shared host can swing a wall-time ratio.
+        """
+        if len(self.sizes) < 2:
+            return math.nan
+        a = self.find(step, self.sizes[0], self.headline_nproc)
+        b = self.find(step, self.sizes[1], self.headline_nproc)
+        if not a or not b:
+            return math.nan
+        num, den = (b.cpu, a.cpu) if cpu else (b.seconds, a.seconds)
+        return num / den if den > 0 else math.nan
+
+
+def _fmt(value: float, digits: int = 2) -> str:
+    return "nan" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def format_report(result: BenchResult) -> list[str]:
+    """The table, the phase breakdown, the targets, and the machine-readable lines (the headline one last)."""
+    lines = [
+        "| size GB | nproc | topology | step | wall s | CPU s (all ranks) | GB/s | wall vs reference "
+        "| peak RSS GB (max rank) | peak extra MB (max rank) |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for step in result.steps:
+        if step.step == "reference":
+            ratio = "1.00"
+        elif step.step in ("live", "copy"):
+            ratio = "—"  # in memory, no files: their yardstick is the copy (live_vs_copy)
+        else:
+            ratio = _fmt(result.ratio(step.step, step.size_bytes, step.nproc))
+        lines.append(
+            f"| {step.size_bytes / 1e9:.3f} | {step.nproc} | {step.topology} | {step.step} | {step.seconds:.2f} "
+            f"| {step.cpu:.2f} | {step.gb_per_s:.3f} | {ratio} | {step.peak_rss / 1e9:.2f} "
+            f"| {step.extra_rss / 1e6:.0f} |"
+        )
+    lines.append("")
+    for step in result.steps:
+        if step.phases or step.note:
+            phases = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in step.phases.items())
+            note = f"; {step.note}" if step.note else ""
+            lines.append(f"phases {step.step} {step.size_bytes / 1e9:.3f} GB nproc {step.nproc}: {phases}{note}")
+    startup = ", ".join(f"nproc {n}: {s:.1f} s" for n, s in result.writer_startup.items())
+    n = result.headline_nproc
+    export, imp, live_vs_copy = result.ratio("export"), result.ratio("import"), result.live_vs_copy()
+    live_extra, experts = result.peak_extra("live"), result.layer_experts
+    live_limit = result.buffer_size + experts
+    lines += [
+        f"not counted: rank start-up and imports; torch_dist writer helper start-up ({startup})",
+        "",
+        f"headline: size {result.sizes[0] / 1e9:.3f} GB, nproc {n}; ratios = conversion wall time / reference wall "
+        f"time (CPU-time ratios: export {_fmt(result.ratio('export', cpu=True))}, "
+        f"import {_fmt(result.ratio('import', cpu=True))})",
+        _target(
+            f"export <= {TARGET_CONVERSION_VS_REFERENCE}x reference",
+            export <= TARGET_CONVERSION_VS_REFERENCE,
+            f"{_fmt(export)}x",
+        ),
+        _target(
+            f"import <= {TARGET_CONVERSION_VS_REFERENCE}x reference",
+            imp <= TARGET_CONVERSION_VS_REFERENCE,
+            f"{_fmt(imp)}x",
+        ),
+        _target(
+            "live peak extra <= chunk + one layer's experts",
+            live_extra <= live_limit,
+            f"{live_extra / 1e6:.1f} MB vs {result.buffer_size / 1e6:.1f} + {experts / 1e6:.1f} MB",
+        ),
+        _target(
+            f"live <= {TARGET_LIVE_VS_COPY:g}x a plain copy",
+            live_vs_copy <= TARGET_LIVE_VS_COPY,
+            f"{_fmt(live_vs_copy)}x",
+        ),
+    ]
+    for step in ("import", "export"):
+        extra = result.peak_extra(step)
+        lines.append(
+            _target(
+                f"{step} peak extra <= {TARGET_PEAK_EXTRA_BASE / 1e6:.0f} MB + one layer's experts",
+                extra <= TARGET_PEAK_EXTRA_BASE + experts,
+                f"{extra / 1e6:.1f} MB vs {TARGET_PEAK_EXTRA_BASE / 1e6:.0f} + {experts / 1e6:.1f} MB",
+            )
+        )
+    if len(result.sizes) > 1:
+        doubled = {step: result.doubling(step) for step in STEPS}
+        worst = max(doubled["import"], doubled["export"])
+        lines.append(
+            _target(
+                f"doubling model bytes <= {TARGET_DOUBLING_RATIO}x the time (import, export)",
+                worst <= TARGET_DOUBLING_RATIO,
+                f"{_fmt(worst)}x at {result.sizes[1] / result.sizes[0]:.3f}x the bytes, nproc {n}",
+            )
+        )
+        peaks = {step: result.peak_doubling(step) for step in ("import", "export")}
+        lines.append(
+            _target(
+                f"peak extra at {result.sizes[1] / result.sizes[0]:.3f}x the bytes <= {TARGET_PEAK_DOUBLING}x "
+                "(import, export)",
+                max(peaks.values()) <= TARGET_PEAK_DOUBLING,
+                ", ".join(f"{step} {_fmt(value)}x" for step, value in peaks.items()),
+            )
+        )
+        by_cpu = {step: result.doubling(step, cpu=True) for step in STEPS}
+        lines.append(
+            f"doubling_ratio={_fmt(worst, 3)} "
+            + " ".join(f"doubling_ratio_{step}={_fmt(value, 3)}" for step, value in doubled.items())
+            + f" doubling_ratio_cpu={_fmt(max(by_cpu['import'], by_cpu['export']), 3)} "
+            + " ".join(f"doubling_ratio_cpu_{step}={_fmt(value, 3)}" for step, value in by_cpu.items())
+            + " "
+            + " ".join(f"peak_doubling_{step}={_fmt(value, 3)}" for step, value in peaks.items())
+        )
+    lines.append(
+        f"export_vs_reference={_fmt(export, 3)} import_vs_reference={_fmt(imp, 3)} "
+        f"live_vs_copy={_fmt(live_vs_copy, 3)} live_peak_extra_mb={live_extra / 1e6:.1f} "
+        f"layer_experts_mb={experts / 1e6:.1f} import_peak_extra_mb={result.peak_extra('import') / 1e6:.1f} "
+        f"export_peak_extra_mb={result.peak_extra('export') / 1e6:.1f}"
+    )
+    return lines
+
+
+def _target(what: str, met: bool, figure: str) -> str:
+    return f"target {what}: {figure} {'met' if met else 'MISSED'}"

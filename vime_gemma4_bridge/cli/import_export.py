@@ -1,0 +1,204 @@
+"""``vime-gemma4 import`` / ``export`` (and ``scripts/``): the command lines of the torch_dist conversion.
+
+Thin: the parsers, the pre-flight (:func:`vime_gemma4_bridge.cli.preflight.command_inputs`: every refusal
+that can be decided from the command line and the files on disk, before any rank starts), the launch of
+the job (:mod:`vime_gemma4_bridge.convert.torch_dist_jobs`) and the report. Heavy modules are imported
+inside the run functions, so ``--help`` and the parsers stay cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.runtime.launch import add_launch_arguments, is_reporting_process, launch
+
+__all__ = ["add_parsers", "main_export", "main_import", "run_export", "run_import"]
+
+
+IMPORT_DESCRIPTION = """\
+Convert a Gemma 4 HF checkpoint to a Megatron torch_dist checkpoint at the given parallel topology
+(gloo CPU ranks with --nproc, or the ranks of torchrun). Megatron-Bridge loads the language model
+into the sharded Megatron model; megatron-core writes DIR/iter_0000000 and
+DIR/latest_checkpointed_iteration.txt, with Megatron-Bridge's run_config.yaml and the source's HF
+config beside it. The checkpoint loads at any other valid topology (vime-gemma4 export, or Megatron
+with --no-load-optim --no-load-rng). DIR appears only when complete."""
+
+
+EXPORT_DESCRIPTION = """\
+Convert a Megatron torch_dist checkpoint (from vime-gemma4 import or a training run) back to a
+complete HF checkpoint, at any valid topology: the one it was saved at does not matter. The HF
+checkpoint it came from supplies the config, tokenizer and the non-language (vision) tensors and
+must describe the same model (checked before ranks start). OUT is sharded by --max-shard-size with
+a model.safetensors.index.json and appears only when complete.
+
+At the default topology (no topology flags, or all of them 1: the fast path) the routed experts
+stream from the torch_dist files to the HF shards, one expert in memory at a time, when the
+checkpoint stores them whole (saved at --etp 1); the rest goes through Megatron-Bridge as always.
+Any other topology loads the checkpoint into the Megatron model at that topology first (slower; a
+check that it loads there)."""
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    Topology.add_arguments(parser)
+    add_launch_arguments(parser)
+    parser.add_argument("--force", action="store_true", help="replace the output if it exists")
+    parser.add_argument("--json", action="store_true", help="print the final report as JSON (progress goes to stderr)")
+
+
+def build_import_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--hf-checkpoint", required=True, metavar="HF", help="source Gemma 4 HF checkpoint")
+    parser.add_argument("--save", required=True, metavar="DIR", help="torch_dist checkpoint directory to create")
+    _add_common(parser)
+    parser.set_defaults(func=run_import, prog=parser.prog)
+    return parser
+
+
+def build_export_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--load", required=True, metavar="DIR", help="torch_dist checkpoint (DIR or DIR/iter_*)")
+    parser.add_argument(
+        "--hf-checkpoint",
+        required=True,
+        metavar="HF",
+        help="HF checkpoint of the same model: config, tokenizer, non-language tensors",
+    )
+    parser.add_argument("--output", required=True, metavar="OUT", help="HF checkpoint directory to create")
+    parser.add_argument(
+        "--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard of OUT (default 5GB)"
+    )
+    _add_common(parser)
+    parser.set_defaults(func=run_export, prog=parser.prog)
+    return parser
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``vime-gemma4 import`` and ``vime-gemma4 export``."""
+    build_import_parser(
+        subparsers.add_parser(
+            "import",
+            help="HF -> Megatron torch_dist checkpoint at a topology",
+            description=IMPORT_DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+    build_export_parser(
+        subparsers.add_parser(
+            "export",
+            help="Megatron torch_dist checkpoint -> HF, at any topology",
+            description=EXPORT_DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+
+
+def _report(args: argparse.Namespace, result: Mapping[str, Any]) -> None:
+    if not is_reporting_process():
+        return
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in result["phases"].items())
+    head = (
+        f"{result['command']} OK: {result['tensors']} language-model tensors, {result['bytes']:,} bytes, "
+        f"at {result['topology']} on {result['world_size']} rank(s), {result['seconds']:.1f} s "
+        f"({phases}), {result['gb_per_s']:.3f} GB/s"
+    )
+    print(head)
+    if result["command"] == "import":
+        ckpt = result["checkpoint"]
+        print(f"wrote torch_dist {ckpt['iteration_dir']}: {ckpt['files']} files, {ckpt['bytes']:,} bytes")
+    else:
+        hf = result["hf_output"]
+        print(
+            f"wrote HF {result['output']}: {hf['tensors']} tensors in {hf['shards']} safetensors shard(s), "
+            f"{hf['files']} files, {hf['bytes']:,} bytes"
+        )
+
+
+def run_import(args: argparse.Namespace) -> int:
+    """``import``: every refusal before ranks start; exit 0 on success, 1 if a rank failed, 2 on bad input."""
+    from vime_gemma4_bridge.cli import errors, preflight
+    from vime_gemma4_bridge.convert.torch_dist_jobs import import_job
+    from vime_gemma4_bridge.io import hf
+    from vime_gemma4_bridge.io.commit import partial_path
+
+    def output_checks(topology: Topology, source: hf.HFCheckpoint) -> Path:
+        hf.refuse_overlap(args.save, "--save", {"--hf-checkpoint": source.path})
+        return hf.prepare_output(args.save, force=args.force)
+
+    try:
+        topology, source, out = preflight.command_inputs(args, output_checks)
+    except ValueError as error:
+        return errors.refuse(args.prog, error)
+    partial = partial_path(out)
+    try:
+        results = launch(args.nproc, import_job, str(source.path), str(out), str(partial), topology)
+    except KeyboardInterrupt as interrupt:  # SIGINT or SIGTERM; the local ranks are gone (LocalWorld kills them)
+        shutil.rmtree(partial, ignore_errors=True)
+        print(f"{args.prog}: interrupted; {out} was not written", file=sys.stderr)
+        return errors.interrupted_status(interrupt)
+    except BaseException as error:  # noqa: BLE001 (a rank failed; the world is gone)
+        shutil.rmtree(partial, ignore_errors=True)
+        return errors.report(args.prog, error, debug=args.debug)
+    _report(args, results[0])
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """``export``: every refusal before ranks start; exit 0 on success, 1 if a rank failed, 2 on bad input."""
+    from vime_gemma4_bridge.cli import errors, preflight
+    from vime_gemma4_bridge.convert.torch_dist_jobs import export_job
+    from vime_gemma4_bridge.io import hf
+    from vime_gemma4_bridge.io.torch_dist import TorchDistCheckpoint
+
+    def output_checks(topology: Topology, source: hf.HFCheckpoint) -> tuple[TorchDistCheckpoint, Path, int]:
+        checkpoint = TorchDistCheckpoint(args.load)
+        hf.refuse_overlap(args.output, "--output", {"--hf-checkpoint": source.path, "--load": checkpoint.path})
+        out = hf.prepare_output(args.output, force=args.force)
+        return checkpoint, out, hf.parse_size(args.max_shard_size, "--max-shard-size")
+
+    try:
+        # The HF checkpoint agrees with itself (the pre-flight's last check), then with the torch_dist one.
+        topology, source, (checkpoint, out, max_shard_size) = preflight.command_inputs(args, output_checks)
+        checkpoint.check_files()
+        checkpoint.check_matches(source)
+    except ValueError as error:
+        return errors.refuse(args.prog, error)
+    try:
+        job_args = (str(checkpoint.path), str(source.path), str(out), topology, args.force, max_shard_size)
+        results = launch(args.nproc, export_job, *job_args)
+    except KeyboardInterrupt as interrupt:
+        print(f"{args.prog}: interrupted; {out} was not written", file=sys.stderr)
+        return errors.interrupted_status(interrupt)
+    except BaseException as error:  # a rank failed; the world is gone
+        return errors.report(args.prog, error, debug=args.debug)
+    _report(args, results[0])
+    return 0
+
+
+def main_import(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """``scripts/convert_hf_to_torch_dist.py``: the ``import`` command as a standalone program."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=IMPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    from vime_gemma4_bridge.cli.errors import add_output_options, run_command
+
+    args = add_output_options(build_import_parser(parser)).parse_args(argv)
+    return run_command(args.prog, args)
+
+
+def main_export(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """``scripts/convert_torch_dist_to_hf.py``: the ``export`` command as a standalone program."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=EXPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    from vime_gemma4_bridge.cli.errors import add_output_options, run_command
+
+    args = add_output_options(build_export_parser(parser)).parse_args(argv)
+    return run_command(args.prog, args)

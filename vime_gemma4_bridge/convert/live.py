@@ -1,0 +1,147 @@
+"""The live weight-export path of RL training (vime ``--megatron-to-hf-mode bridge``), and its check.
+
+During training the Megatron actor pushes its weights to vLLM after every step, streaming
+HF-named tensors out of Megatron-Bridge's export. This module is that stream for Gemma 4:
+
+* :func:`iter_hf_weights` yields ``(hf_name, tensor, megatron_name)`` for the language model only
+  — the tuple vime's bridge weight iterator unpacks — whichever tuple shape the installed
+  Megatron-Bridge build yields (0.6.2 yields ``(hf_name, tensor)``; vime's build adds the Megatron
+  name). Names, shapes and dtypes are those of the HF checkpoint: stacked experts, no ``v_proj`` on
+  k_eq_v layers, no ``lm_head`` (tied), no vision/audio tensors — the layout vLLM's Gemma 4 loader
+  takes.
+* :func:`chunk_by_bytes` groups the stream into chunks below N bytes (a tensor of N or more stands
+  alone), like vime's ``chunk_named_params_by_size``. Peak extra memory is one chunk plus what
+  Megatron-Bridge holds to stack one layer's experts.
+* :func:`export_live_job` (``vime-gemma4 export-live``, :mod:`vime_gemma4_bridge.cli.live`) drives it
+  at a topology and writes each chunk as one safetensors file, the way vime's disk transport does;
+  :func:`vime_gemma4_bridge.verify.update.verify_update` checks such a directory against the HF
+  checkpoint, bitwise and by fingerprint, naming every mismatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.io import hf as hf_io
+from vime_gemma4_bridge.io.commit import atomic_directory
+
+__all__ = ["NamedWeight", "chunk_by_bytes", "export_live_job", "iter_hf_weights", "megatron_names_by_hf_name"]
+
+NamedWeight = tuple[str, torch.Tensor, str]
+
+
+def megatron_names_by_hf_name(conversion_tasks: Iterable[Any]) -> dict[str, str]:
+    """HF tensor name → the Megatron parameter it comes from (per-expert suffix dropped for stacks)."""
+    names: dict[str, str] = {}
+    for task in conversion_tasks:
+        if task is None:
+            continue
+        hf = task.mapping.hf_param
+        megatron = task.global_param_name
+        if getattr(task.mapping, "is_grouped_export", False):
+            megatron = re.sub(r"(weight|bias)\d+$", r"\1", megatron)
+        for hf_name in hf.values() if isinstance(hf, dict) else (hf,):
+            names.setdefault(hf_name, megatron)
+    return names
+
+
+def iter_hf_weights(
+    bridge: Any, model: list[torch.nn.Module], *, cpu: bool = False, conversion_tasks: list | None = None
+) -> Iterator[NamedWeight]:
+    """Stream ``(hf_name, tensor, megatron_name)`` of the language model; collective over all ranks."""
+    tasks = conversion_tasks if conversion_tasks is not None else bridge.get_conversion_tasks(model)
+    megatron_names = megatron_names_by_hf_name(tasks)
+    seen: set[str] = set()
+    for item in bridge.export_hf_weights(model, cpu=cpu, conversion_tasks=tasks, show_progress=False):
+        hf_name, tensor = item[0], item[1]
+        megatron_name = item[2] if len(item) > 2 else megatron_names[hf_name]
+        if hf_name in seen:
+            raise ValueError(f"live export produced {hf_name!r} twice")
+        seen.add(hf_name)
+        yield hf_name, tensor, megatron_name
+
+
+def chunk_by_bytes(weights: Iterable[NamedWeight], max_bytes: int) -> Iterator[list[NamedWeight]]:
+    """Group a stream into chunks below ``max_bytes``; a tensor that reaches it alone is a chunk alone.
+
+    vime's rule (``chunk_named_params_by_size``): a chunk is closed when adding the next tensor would
+    bring it to ``max_bytes`` or more.
+    """
+    if max_bytes < 1:
+        raise ValueError(f"--buffer-size must be at least 1 byte, got {max_bytes}")
+    chunk: list[NamedWeight] = []
+    size = 0
+    for item in weights:
+        nbytes = item[1].numel() * item[1].element_size()
+        if chunk and size + nbytes >= max_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(item)
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def export_live_job(hf_checkpoint: str, topology: Topology, dump: str, buffer_size: int, force: bool) -> dict:
+    """Runs on every rank: load HF at ``topology``, stream the live export, rank 0 writes the chunks.
+
+    Each chunk is one safetensors file (the one shard writer, :func:`~vime_gemma4_bridge.io.hf.save_safetensors`),
+    named ``model-0000i-of-0000N`` once N is known, with an index and the checkpoint's side files; the
+    directory is committed atomically (``force`` was checked by the command: an existing ``dump`` is replaced).
+    """
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+
+    init_model_parallel(topology)
+    bridge = convert.open_bridge(hf_checkpoint)
+    model = convert.build_model(bridge, topology)
+    bridge.load_hf_weights(model)
+    writer = convert.is_rank0()
+    out = Path(dump)
+    result: dict[str, Any] | None = None
+    with atomic_directory(out) if writer else contextlib.nullcontext() as tmp:
+        files: list[tuple[str, list[str], int]] = []
+        start = time.perf_counter()
+        chunks = chunk_by_bytes(iter_hf_weights(bridge, model, cpu=True), buffer_size)
+        for index, chunk in enumerate(chunks, start=1):
+            if tmp is None:
+                continue
+            name = f"model-{index:05d}.safetensors"
+            state = [(hf_name, tensor) for hf_name, tensor, _ in chunk]
+            hf_io.save_safetensors(tmp / name, state, metadata={"format": "pt"})
+            files.append((name, [n for n, _ in state], sum(hf_io.tensor_nbytes(t) for _, t in state)))
+        seconds = time.perf_counter() - start
+        if tmp is not None:
+            total = len(files)
+            weight_map: dict[str, str] = {}
+            for index, (name, names, _) in enumerate(files, start=1):
+                final = f"model-{index:05d}-of-{total:05d}.safetensors"
+                (tmp / name).rename(tmp / final)
+                weight_map.update({n: final for n in names})
+            source = hf_io.HFCheckpoint(hf_checkpoint)
+            for item in source.path.iterdir():  # side files, as vime's disk transport copies them
+                if item.is_file() and not item.name.endswith(".safetensors") and item.name != hf_io.INDEX_NAME:
+                    shutil.copy2(item, tmp / item.name)
+            total_bytes = sum(size for *_, size in files)
+            index_data = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+            (tmp / hf_io.INDEX_NAME).write_text(json.dumps(index_data, indent=2) + "\n")
+            result = {
+                "dump": str(out),
+                "chunks": total,
+                "tensors": len(weight_map),
+                "bytes": total_bytes,
+                "largest_chunk_bytes": max(size for *_, size in files),
+                "chunk_tensor_counts": [len(names) for _, names, _ in files],
+                "seconds": seconds,
+            }
+    return convert.broadcast_from_rank0(result)

@@ -1,0 +1,282 @@
+"""The ``import`` / ``export`` jobs: one-shot HF ↔ Megatron torch_dist conversion, run on every rank, at any topology.
+
+``import_job`` loads a Gemma 4 HF checkpoint into the Megatron model at a TP/PP/VPP/EP/ETP topology
+(Megatron-Bridge's ``load_hf_weights``) and saves it as a torch_dist checkpoint
+(:mod:`vime_gemma4_bridge.io.torch_dist`). ``export_job`` builds the model at any valid topology — not
+necessarily the one it was saved at — loads the torch_dist checkpoint into it and writes a complete HF
+checkpoint through Megatron-Bridge's ``export_hf_weights`` (config, tokenizer and non-language tensors
+copied from ``--hf-checkpoint``). At the default topology the routed experts bypass the model in both
+directions (:mod:`~vime_gemma4_bridge.convert.stream_import`, :mod:`~vime_gemma4_bridge.convert.stream_export`).
+
+Both write into a hidden partial sibling committed only when complete
+(:mod:`vime_gemma4_bridge.io.commit`), so an interrupted run never leaves anything at ``DIR`` / ``OUT``;
+sources are only read. The commands around them (:mod:`vime_gemma4_bridge.cli.import_export`) refuse
+every bad input before ranks start; the bench runs these same functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.io import torch_dist
+from vime_gemma4_bridge.io.commit import commit_directory
+from vime_gemma4_bridge.io.torch_dist import (
+    ITERATION,
+    ITERATION_DIR,
+    RUN_CONFIG_NAME,
+    SIDECAR_FORMAT,
+    SIDECAR_NAME,
+    SIDECAR_VERSION,
+    TRACKER_NAME,
+    ConversionError,
+    TorchDistCheckpoint,
+)
+
+__all__ = ["export_job", "import_job"]
+
+
+class _Phases:
+    """Wall time per phase; rank 0 says on stderr what runs (stdout carries only the final report)."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, what: str) -> Iterator[None]:
+        from vime_gemma4_bridge.convert.model import is_rank0
+
+        if is_rank0():
+            print(f"{self.command}: {what} ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = round(time.perf_counter() - start, 3)
+        if is_rank0():
+            print(f"{self.command}: {what}: done in {self.seconds[name]:.1f} s", file=sys.stderr, flush=True)
+
+
+def _directory_stats(path: Path) -> tuple[int, int]:
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def _rate(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
+
+
+def import_job(hf_checkpoint: str, save: str, partial: str, topology: Topology) -> dict[str, Any]:
+    """HF → Megatron at ``topology`` → torch_dist at ``save``. Runs on every rank; returns rank 0's report.
+
+    The checkpoint is written into ``partial`` (rank 0's name wins under torchrun) and committed to
+    ``save`` only when complete (:func:`~vime_gemma4_bridge.io.commit.commit_directory`); on failure
+    rank 0 removes ``partial``.
+    """
+    import torch.distributed as dist
+    from megatron.core.utils import get_model_config
+
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert import stream_import
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+    from vime_gemma4_bridge.io import hf as hf_io
+
+    start = time.perf_counter()
+    phases = _Phases("import")
+    init_model_parallel(topology)
+    work = Path(convert.broadcast_from_rank0(partial))
+    out = Path(save)
+    rank0 = convert.is_rank0()
+    try:
+        if rank0:
+            work.mkdir(parents=True)  # from the start: a killed run leaves this hidden directory, never DIR
+        with contextlib.redirect_stdout(sys.stderr):
+            with phases("build", f"building the Megatron model at {topology}"):
+                bridge = convert.open_bridge(hf_checkpoint)
+                # Every weight is loaded next, so random init (~3 s/GB) would be wasted; the saved run
+                # config still says to initialise, as a model built from it for training must.
+                model = convert.build_model(bridge, topology, initialize=False)
+                get_model_config(model[0]).perform_initialization = True
+                source = hf_io.HFCheckpoint(hf_checkpoint)
+                plan = stream_import.plan_import(bridge, model, source) if topology == Topology() else None
+            how = " (every weight streamed from the HF shards into torch_dist items)" if plan else ""
+            if rank0:
+                (work / ITERATION_DIR).mkdir()
+            streaming = plan is not None and rank0  # one writer: the other ranks hold replicas
+            with plan.streaming(work / ITERATION_DIR) if streaming else contextlib.nullcontext() as stream:
+                with phases("load_hf", f"loading {hf_checkpoint}{how}"):
+                    if plan is None:
+                        bridge.load_hf_weights(model)
+                    elif stream is not None:
+                        stream.convert(bridge._model_bridge, bridge.hf_pretrained.state)
+                dist.barrier()
+                with phases("save", f"saving torch_dist to {out}"):
+                    leave_out = plan.streamed_params() if plan else ()
+                    torch_dist.save_torch_dist(model, work / ITERATION_DIR, leave_out=leave_out)
+            result: dict[str, Any] | None = None
+            if rank0:
+                signature = source.signatures(source.language_model_names())
+                torch_dist.write_run_config(get_model_config(model[0]), work / ITERATION_DIR / RUN_CONFIG_NAME)
+                sidecar = {
+                    "format": SIDECAR_FORMAT,
+                    "version": SIDECAR_VERSION,
+                    "iteration": ITERATION,
+                    "source": str(Path(hf_checkpoint).resolve()),
+                    "saved_at": {"topology": str(topology), **vars(topology), "world_size": dist.get_world_size()},
+                    "hf_config": source.config,
+                    "language_model": signature,
+                }
+                (work / ITERATION_DIR / SIDECAR_NAME).write_text(json.dumps(sidecar, indent=1) + "\n")
+                (work / TRACKER_NAME).write_text(f"{ITERATION}\n")  # last: marks the checkpoint complete
+                files, nbytes = _directory_stats(work)
+                commit_directory(work, out)
+                tensor_bytes = sum(_nbytes(shape, dtype) for shape, dtype in signature.values())
+                moved = phases.seconds["load_hf"] + phases.seconds["save"]
+                result = {
+                    "command": "import",
+                    "ok": True,
+                    "hf_checkpoint": hf_checkpoint,
+                    "save": str(out),
+                    "topology": str(topology),
+                    "parallel": vars(topology),
+                    "world_size": dist.get_world_size(),
+                    "experts_streamed": plan is not None,
+                    "tensors": len(signature),
+                    "bytes": tensor_bytes,
+                    "seconds": round(time.perf_counter() - start, 3),
+                    "gb_per_s": _rate(tensor_bytes, moved),
+                    "phases": phases.seconds,
+                    "checkpoint": {"iteration_dir": str(out / ITERATION_DIR), "files": files, "bytes": nbytes},
+                }
+            result = convert.broadcast_from_rank0(result)
+    except BaseException:
+        if rank0:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    return result
+
+
+def export_job(
+    load: str, hf_checkpoint: str, output: str, topology: Topology, force: bool, max_shard_size: int
+) -> dict[str, Any]:
+    """torch_dist at ``load`` → Megatron at ``topology`` → complete HF checkpoint at ``output``. Every rank.
+
+    At the default topology (TP1·PP1·EP1·ETP1) the routed experts stream from the torch_dist files
+    to the HF shards when the checkpoint stores them whole (:mod:`vime_gemma4_bridge.convert.stream_export`);
+    everything else, and every other topology, goes through the Megatron model.
+    """
+    import torch.distributed as dist
+
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert import stream_export
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+    from vime_gemma4_bridge.io import hf as hf_io
+    from vime_gemma4_bridge.io.torch_dist_reader import TorchDistReader
+
+    start = time.perf_counter()
+    phases = _Phases("export")
+    init_model_parallel(topology, keep_if_same=True)
+    iteration_dir = TorchDistCheckpoint(load).iteration_dir
+    rank0 = convert.is_rank0()
+    with contextlib.redirect_stdout(sys.stderr), contextlib.ExitStack() as stack:
+        with phases("build", f"building the Megatron model at {topology}"):
+            bridge = convert.open_bridge(hf_checkpoint)
+            # Every weight is read next (or streamed past the model): random init would be wasted.
+            model = convert.build_model(bridge, topology, initialize=False)
+            plan = None
+            if topology == Topology():
+                reader = stack.enter_context(contextlib.closing(TorchDistReader(iteration_dir)))
+                plan = stream_export.plan_export(bridge, model, reader)
+        how = " (routed experts streamed to the HF shards)" if plan else ""
+        # Reading whole chunks and exporting at TP1·PP1·EP1 involves no collective: with direct reads
+        # rank 0 alone does it, the others would only compete for the same cores.
+        works = plan is None or plan.direct is None or rank0
+        exported: dict[str, Any] = {}
+        with phases("load", f"loading torch_dist {iteration_dir}{how}"):
+            if plan is None:
+                torch_dist.load_torch_dist(model, iteration_dir)
+            elif plan.direct is None:
+                torch_dist.load_torch_dist(model, iteration_dir, streamed=plan.experts.modules())
+            elif works:
+                plan.check_direct(reader)  # every chunk stored whole: read as the writer needs it
+        source = hf_io.HFCheckpoint(hf_checkpoint)
+        signature = source.signatures(source.language_model_names()) if rank0 else {}
+        with phases("export", "exporting to HF names"):
+            if plan is None:
+                exported = convert.collect_on_rank0(bridge, model)
+            elif plan.direct is not None and works:
+                exported = plan.lazy_tensors(bridge, model, reader, signature)
+            elif works:
+                exported = convert.collect_on_rank0(bridge, model, conversion_tasks=plan.other_tasks)
+            if plan is not None and rank0:
+                exported.update(stream_export.streamed_export_tensors(plan.experts, reader))
+        result: dict[str, Any] | None = None
+        if rank0:
+            _check_exported(exported, signature)
+            with phases("write", f"writing {output}"):
+                written = hf_io.write_hf_checkpoint(
+                    output, exported, source, max_shard_size=max_shard_size, force=force, show_progress=True
+                )
+            tensor_bytes = sum(hf_io.tensor_nbytes(t) for t in exported.values())
+            moved = phases.seconds["load"] + phases.seconds["export"] + phases.seconds["write"]
+            files, nbytes = _directory_stats(written)
+            result = {
+                "command": "export",
+                "ok": True,
+                "load": str(iteration_dir),
+                "hf_checkpoint": hf_checkpoint,
+                "output": str(written),
+                "topology": str(topology),
+                "parallel": vars(topology),
+                "world_size": dist.get_world_size(),
+                "experts_streamed": plan is not None,
+                "loader": "direct" if plan is not None and plan.direct is not None else "dist_checkpointing",
+                "tensors": len(exported),
+                "bytes": tensor_bytes,
+                "seconds": round(time.perf_counter() - start, 3),
+                "gb_per_s": _rate(tensor_bytes, moved),
+                "phases": phases.seconds,
+                "hf_output": {
+                    "files": files,
+                    "bytes": nbytes,
+                    "shards": len(list(written.glob("*.safetensors"))),
+                    "tensors": len(source.names()),
+                },
+            }
+        return convert.broadcast_from_rank0(result)
+
+
+def _check_exported(exported: Mapping[str, Any], signature: Mapping[str, list]) -> None:
+    """Refuse to write an HF checkpoint whose language model differs in names, shapes or dtypes from the source's.
+
+    The torch_dist checkpoint may hold trained weights, so values may differ; its layout may not: the
+    output must load wherever the source loads (transformers, vLLM).
+    """
+    from vime_gemma4_bridge.io.hf import SAFETENSORS_DTYPES
+
+    for name, (shape, dtype) in signature.items():
+        if name not in exported:
+            raise ConversionError(f"the export produced no {name}; refusing to write an incomplete checkpoint")
+        tensor = exported[name]
+        got = [list(tensor.shape), SAFETENSORS_DTYPES.get(tensor.dtype, str(tensor.dtype))]
+        if got != [list(shape), dtype]:
+            raise ConversionError(
+                f"the export produced {name} as {got[1]}{got[0]} but --hf-checkpoint has {dtype}{list(shape)}; "
+                "refusing to write a checkpoint of another layout"
+            )
+    extra = sorted(set(exported) - set(signature))
+    if extra:
+        raise ConversionError(f"the export produced {extra[0]}, which --hf-checkpoint lacks ({len(extra)} in all)")
+
+
+def _nbytes(shape: Sequence[int], dtype: str) -> int:
+    from vime_gemma4_bridge.io.hf import DTYPE_BYTES
+
+    return math.prod(shape) * DTYPE_BYTES.get(dtype, 1)

@@ -1,0 +1,426 @@
+"""torch_dist checkpoints on disk: the layout Megatron reads, checked before any rank starts, saved and loaded.
+
+Layout written by ``import`` (what Megatron-LM's and Megatron-Bridge's ``--load`` read)::
+
+    DIR/latest_checkpointed_iteration.txt   "0"
+    DIR/iter_0000000/                       torch_dist files (metadata.json, .metadata, __<rank>_0.distcp);
+                                            common state {checkpoint_version: 3.0, iteration: 0} and the same
+                                            content metadata as Megatron-Bridge's checkpoints
+    DIR/iter_0000000/run_config.yaml        {model: <provider>} in Megatron-Bridge's run-config format
+    DIR/iter_0000000/vime_gemma4.json       the source's HF config and language-model tensor names/shapes/dtypes
+
+The checkpoint holds model weights only (no optimizer or RNG state), like Megatron-Bridge's
+``save_megatron_model`` output: training from it needs ``--no-load-optim --no-load-rng`` (or ``--finetune``).
+``run_config.yaml`` lets Megatron-Bridge's ``load_megatron_model`` rebuild the model without hand-written
+configuration; its ``_target_`` entries name this package (``Gemma4TextModelProvider``, the layer-spec
+function ``gemma4_block_spec``), which Megatron-Bridge instantiates only after
+:func:`allow_run_config_targets` (:func:`provider_from_run_config` calls it; it is not called on import,
+which would import Megatron-Bridge and slow down every refusal). ``vime_gemma4.json`` is what ``export``
+checks, before any rank starts, that ``--hf-checkpoint`` describes the same model
+(:meth:`TorchDistCheckpoint.check_matches`).
+
+Why megatron-core's ``dist_checkpointing.save/load`` with ``model.sharded_state_dict()`` rather than
+Megatron-Bridge's ``save_megatron_model`` / ``load_megatron_model``: both live in
+``megatron.bridge.training``, whose ``checkpointing`` module imports nvidia-modelopt at module level and
+whose config imports ``datasets`` / tensorboard (training dependencies, absent from a conversion
+environment); ``save_megatron_model`` then runs the training ``save_checkpoint``, which calls
+``torch.cuda.get_rng_state()`` unconditionally; and ``load_megatron_model`` rebuilds the model from the run
+config with its own wrapping instead of this plugin's one model-building path (:func:`convert.build_model`).
+What they do underneath is kept: the same ``sharded_state_dict`` metadata
+(``_build_sharded_state_dict_metadata``), ``TorchDistSaveShardedStrategy`` / ``TorchDistLoadShardedStrategy``,
+the same directory layout and run config (docs/UPSTREAM.md, entry 17). megatron-core's torch_dist writer
+itself calls CUDA on CPU-only hosts; :func:`~vime_gemma4_bridge.compat.cuda.cpu_checkpointing` covers that
+(entry 16). torch_dist stores every tensor as a *global* tensor (each rank's shard knows its global shape
+and offset), so megatron-core's ``dist_checkpointing`` reshards on load and no resharding code lives here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from vime_gemma4_bridge.compat.cuda import cpu_checkpointing
+from vime_gemma4_bridge.core.hf_layout import text_config_dict
+from vime_gemma4_bridge.io.torch_dist_layout import EXTRA_STATE, ConversionError, refuse_unused_keys, sharded_state_dict
+
+__all__ = [
+    "ITERATION",
+    "ITERATION_DIR",
+    "RUN_CONFIG_NAME",
+    "SIDECAR_FORMAT",
+    "SIDECAR_NAME",
+    "SIDECAR_VERSION",
+    "TRACKER_NAME",
+    "ConversionError",
+    "TorchDistCheckpoint",
+    "allow_run_config_targets",
+    "load_torch_dist",
+    "provider_from_run_config",
+    "save_torch_dist",
+    "write_run_config",
+]
+
+#: Megatron's tracker file: the iteration ``--load`` resumes from.
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+#: The one iteration a converted checkpoint has (Megatron's ``iter_{:07d}``).
+ITERATION = 0
+ITERATION_DIR = f"iter_{ITERATION:07d}"
+#: Megatron-Bridge's run config (``get_checkpoint_run_config_filename``).
+RUN_CONFIG_NAME = "run_config.yaml"
+#: What ``export`` checks against ``--hf-checkpoint`` before it starts ranks.
+SIDECAR_NAME = "vime_gemma4.json"
+SIDECAR_FORMAT = "vime-gemma4-torch-dist"
+SIDECAR_VERSION = 1
+#: Megatron checkpoint version written in the common state (Megatron-LM and Megatron-Bridge write 3.0).
+CHECKPOINT_VERSION = 3.0
+
+
+def allow_run_config_targets() -> None:
+    """Let Megatron-Bridge instantiate this package's classes and functions named in a ``run_config.yaml``.
+
+    Megatron-Bridge refuses ``_target_`` entries outside an allow-list (``megatron.``, ``torch.``, ...);
+    a checkpoint written by ``import`` names ``vime_gemma4_bridge.provider.Gemma4TextModelProvider`` and
+    its layer-spec function. Idempotent.
+    """
+    from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
+
+    register_allowed_target_prefix("vime_gemma4_bridge.")
+
+
+class TorchDistCheckpoint:
+    """A torch_dist checkpoint on disk, checked before any rank starts.
+
+    ``path`` is a checkpoint directory with Megatron's tracker file (``--save`` of ``import``, or a
+    training run's save directory) or one ``iter_*`` directory. Only metadata files are read.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ConversionError(f"torch_dist checkpoint {self.path} is not a directory; pass the DIR import wrote")
+        tracker = self.path / TRACKER_NAME
+        if tracker.is_file():
+            text = tracker.read_text().strip()
+            if text == "release":
+                name = "release"
+            elif text.isdigit():
+                name = f"iter_{int(text):07d}"
+            else:
+                raise ConversionError(f"{tracker} holds {text!r}, not an iteration number; the checkpoint is damaged")
+            self.iteration_dir = self.path / name
+        elif (self.path / "metadata.json").is_file():
+            self.iteration_dir = self.path  # an iteration directory given directly
+        else:
+            raise ConversionError(
+                f"{self.path} is not a torch_dist checkpoint (no {TRACKER_NAME}); create one with vime-gemma4 import"
+            )
+        meta_file = self.iteration_dir / "metadata.json"
+        if not meta_file.is_file():
+            raise ConversionError(f"{self.iteration_dir} has no metadata.json; the checkpoint is incomplete or damaged")
+        try:
+            meta = json.loads(meta_file.read_text())
+        except json.JSONDecodeError as error:
+            raise ConversionError(f"{meta_file} is not valid JSON ({error}); the checkpoint is damaged") from None
+        if meta.get("sharded_backend") != "torch_dist":
+            raise ConversionError(
+                f"{self.iteration_dir} is a {meta.get('sharded_backend')!r} checkpoint, not torch_dist; "
+                "convert it to torch_dist with Megatron first"
+            )
+        if not (self.iteration_dir / ".metadata").is_file():
+            raise ConversionError(f"{self.iteration_dir} has no .metadata; the checkpoint is incomplete or damaged")
+        self.sidecar: dict | None = None
+        sidecar_file = self.iteration_dir / SIDECAR_NAME
+        if sidecar_file.is_file():
+            try:
+                self.sidecar = json.loads(sidecar_file.read_text())
+            except json.JSONDecodeError as error:
+                raise ConversionError(f"{sidecar_file} is no JSON ({error}); the checkpoint is damaged") from None
+
+    def check_files(self) -> None:
+        """Refuse a checkpoint whose data files are missing or shorter than its metadata says (no data read).
+
+        PyTorch's checkpoint metadata records, for every stored item, the file and byte range that hold
+        it; a missing or truncated ``.distcp`` file is found here, in one line naming the file and a
+        tensor it should hold, before any rank starts.
+        """
+        from torch.distributed.checkpoint import FileSystemReader
+
+        try:
+            metadata = FileSystemReader(str(self.iteration_dir)).read_metadata()
+        except Exception as error:  # noqa: BLE001 (pickle, EOF or OS errors of a damaged .metadata)
+            raise ConversionError(
+                f"{self.iteration_dir / '.metadata'} is unreadable ({type(error).__name__}: {error}); "
+                "the checkpoint is damaged: re-create it with vime-gemma4 import"
+            ) from None
+        needed: dict[str, tuple[int, str]] = {}
+        for index, info in metadata.storage_data.items():
+            end = info.offset + info.length
+            if end > needed.get(info.relative_path, (0, ""))[0]:
+                needed[info.relative_path] = (end, index.fqn)
+        for relative_path, (end, key) in sorted(needed.items()):
+            file = self.iteration_dir / relative_path
+            if not file.is_file():
+                raise ConversionError(
+                    f"torch_dist checkpoint {self.path} is damaged: {file.name} is missing (it holds {key}); "
+                    "re-create it with vime-gemma4 import"
+                )
+            size = file.stat().st_size
+            if size < end:
+                raise ConversionError(
+                    f"torch_dist checkpoint {self.path} is damaged: {file.name} is truncated ({size:,} of at least "
+                    f"{end:,} bytes; {key} is past its end); re-create it with vime-gemma4 import"
+                )
+
+    def check_matches(self, source: Any) -> None:
+        """Refuse (one line) if ``source`` (an :class:`~vime_gemma4_bridge.io.hf.HFCheckpoint`) is another model.
+
+        With ``vime_gemma4.json`` (written by ``import``) every language-model tensor's name, shape and
+        dtype must agree; without it (e.g. a training checkpoint) the architecture fields of
+        ``run_config.yaml`` are compared when present. Ranks check every tensor again when loading.
+        """
+        hint = "pass the HF checkpoint it was imported from (or one with the same architecture)"
+        if self.sidecar is not None:
+            _check_text_config(self.sidecar.get("hf_config") or {}, source.config, self.path, source.path, hint)
+            ours = self.sidecar.get("language_model") or {}
+            theirs = source.signatures(source.language_model_names())
+            for name in sorted(set(ours) | set(theirs)):
+                if name not in theirs:
+                    raise ConversionError(
+                        f"torch_dist checkpoint {self.path} holds a different model than {source.path}: "
+                        f"{name} is in the checkpoint but not in the HF checkpoint; {hint}"
+                    )
+                if name not in ours:
+                    raise ConversionError(
+                        f"torch_dist checkpoint {self.path} holds a different model than {source.path}: "
+                        f"{name} is in the HF checkpoint but not in the torch_dist checkpoint; {hint}"
+                    )
+                if list(ours[name]) != list(theirs[name]):
+                    (shape_a, dtype_a), (shape_b, dtype_b) = ours[name], theirs[name]
+                    raise ConversionError(
+                        f"torch_dist checkpoint {self.path} holds a different model than {source.path}: {name} is "
+                        f"{dtype_a}{shape_a} there and {dtype_b}{shape_b} here; {hint}"
+                    )
+            return
+        run_config = self.iteration_dir / RUN_CONFIG_NAME
+        if run_config.is_file():
+            _check_run_config(run_config, source.config, self.path, source.path, hint)
+
+
+#: HF text-config fields that fix the Megatron model's shape and layer layout.
+_TEXT_CONFIG_FIELDS = (
+    "num_hidden_layers",
+    "layer_types",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_global_key_value_heads",
+    "attention_k_eq_v",
+    "head_dim",
+    "global_head_dim",
+    "enable_moe_block",
+    "num_experts",
+    "moe_intermediate_size",
+    "vocab_size",
+    "hidden_size_per_layer_input",
+    "num_kv_shared_layers",
+    "tie_word_embeddings",
+)
+
+
+def _check_text_config(saved: Mapping, config: Mapping, ckpt: Path, hf: Path, hint: str) -> None:
+    """The recorded HF config and ``config`` agree on every field that shapes the Megatron model."""
+    ours, theirs = text_config_dict(saved), text_config_dict(config)
+    for field in _TEXT_CONFIG_FIELDS:
+        if ours.get(field) != theirs.get(field):
+            raise ConversionError(
+                f"torch_dist checkpoint {ckpt} holds a different model than {hf}: {field} is {ours.get(field)!r} "
+                f"there and {theirs.get(field)!r} here; {hint}"
+            )
+
+
+#: run_config.yaml model field -> HF text-config field, for checkpoints without vime_gemma4.json.
+_ARCHITECTURE_FIELDS = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads",
+    "kv_channels": "head_dim",
+    "ffn_hidden_size": "intermediate_size",
+    "num_moe_experts": "num_experts",
+    "moe_ffn_hidden_size": "moe_intermediate_size",
+    "vocab_size": "vocab_size",
+}
+
+
+def _check_run_config(run_config: Path, hf_config: Mapping, ckpt: Path, hf: Path, hint: str) -> None:
+    import yaml
+
+    try:
+        model = (yaml.safe_load(run_config.read_text()) or {}).get("model") or {}
+    except yaml.YAMLError as error:
+        raise ConversionError(f"{run_config} is not valid YAML ({error}); the checkpoint is damaged") from None
+    text = text_config_dict(hf_config)
+    for megatron_field, hf_field in _ARCHITECTURE_FIELDS.items():
+        if megatron_field not in model or hf_field not in text:
+            continue
+        ours, theirs = model[megatron_field], text[hf_field]
+        if hf_field == "num_experts" and not text.get("enable_moe_block"):
+            theirs = None
+        if ours != theirs:
+            raise ConversionError(
+                f"torch_dist checkpoint {ckpt} holds a different model than {hf}: {megatron_field} is {ours} "
+                f"there and {hf_field} is {theirs} here; {hint}"
+            )
+
+
+def save_torch_dist(model: list, iteration_dir: str | os.PathLike, *, leave_out: Collection[str] = ()) -> None:
+    """Save the model chunks of every rank as one torch_dist checkpoint (collective; the directory exists).
+
+    ``leave_out`` names parameters (of a one-chunk model) whose items the caller writes itself
+    (:mod:`vime_gemma4_bridge.convert.stream_import`); their modules' other entries are saved as usual.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+    state, metadata = sharded_state_dict(model)
+    if leave_out:
+        state["model"] = {name: value for name, value in state["model"].items() if name not in leave_out}
+    state["checkpoint_version"] = CHECKPOINT_VERSION
+    state["iteration"] = ITERATION
+    # The synchronous path goes through megatron-core's deprecated "mcore" async writer and warns on every rank.
+    quiet = logging.getLogger("megatron.core.dist_checkpointing.strategies.torch")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with cpu_checkpointing():
+            dist_checkpointing.save(
+                state,
+                str(iteration_dir),
+                TorchDistSaveShardedStrategy("torch_dist", 1),
+                validate_access_integrity=True,
+                content_metadata=_clean_metadata_for_serialization(metadata),
+            )
+    except BaseException as error:  # PyTorch's CheckpointException is a BaseException
+        if isinstance(error, KeyboardInterrupt | SystemExit):
+            raise
+        raise ConversionError(
+            f"writing torch_dist to {iteration_dir} failed: {_write_failure(iteration_dir)}"
+        ) from None
+    finally:
+        quiet.setLevel(level)
+
+
+def _write_failure(directory: Path) -> str:
+    """Why a write into ``directory`` failed, as far as the file system tells (the writer's errors do not)."""
+    probe = directory / ".vime-gemma4-write-probe"
+    try:
+        with open(probe, "wb") as handle:
+            handle.write(b"\0" * 65536)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        return f"{error.strerror} ({directory})"
+    finally:
+        probe.unlink(missing_ok=True)
+    free = shutil.disk_usage(directory).free
+    return (
+        f"the torch_dist writer failed with {free:,} bytes free on that file system (run with --debug for its errors)"
+    )
+
+
+def load_torch_dist(
+    model: list, iteration_dir: str | os.PathLike, *, streamed: Mapping[str, Sequence[str]] | None = None
+) -> None:
+    """Load a torch_dist checkpoint into the model chunks of every rank (collective), at any topology.
+
+    Every tensor this model needs must be in the checkpoint with the same global shape and dtype, and
+    every model tensor of the checkpoint must be used; otherwise :class:`ConversionError` names the
+    first difference. ``_extra_state`` entries (FP8 metadata of TE modules) are not loaded, as in
+    Megatron-Bridge's ``_load_model_weights_from_checkpoint``.
+
+    ``streamed`` maps modules (state-dict prefixes of a one-chunk model) whose weights the caller
+    reads itself to the torch_dist keys they use (:mod:`vime_gemma4_bridge.convert.stream_export`): their
+    entries are left out of the load and those keys count as used.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    where = str(iteration_dir)
+    state, _ = sharded_state_dict(model)
+    streamed = streamed or {}
+    if streamed:
+        state["model"] = {
+            name: value for name, value in state["model"].items() if name.rpartition(".")[0] not in streamed
+        }
+    saved = dist_checkpointing.load_tensors_metadata(where)
+    for sharded in nested_values(state):
+        if not isinstance(sharded, ShardedTensor) or sharded.key not in saved:
+            continue  # factories and objects: checked by dist_checkpointing itself
+        stored = saved[sharded.key]
+        if tuple(stored.global_shape) != tuple(sharded.global_shape) and not sharded.allow_shape_mismatch:
+            raise ConversionError(
+                f"torch_dist tensor {sharded.key} has shape {list(stored.global_shape)} but this model needs "
+                f"{list(sharded.global_shape)}: the checkpoint holds a different model than --hf-checkpoint"
+            )
+        if stored.dtype != sharded.dtype:
+            raise ConversionError(
+                f"torch_dist tensor {sharded.key} is {stored.dtype} but this model is {sharded.dtype}: the checkpoint "
+                "was saved from a checkpoint of another dtype than --hf-checkpoint"
+            )
+    with cpu_checkpointing():
+        loaded, unused, absent = dist_checkpointing.load(
+            state,
+            where,
+            TorchDistLoadShardedStrategy(),
+            strict=StrictHandling.RETURN_ALL,
+        )
+    absent = sorted(key for key in absent if not EXTRA_STATE.search(key))
+    if absent:
+        raise ConversionError(
+            f"torch_dist checkpoint lacks {len(absent)} tensor(s) this model needs (e.g. {absent[0]}): "
+            "it holds a different model than --hf-checkpoint"
+        )
+    used_elsewhere = {key for keys in streamed.values() for key in keys}
+    refuse_unused_keys(key for key in unused if key not in used_elsewhere)
+    for i, chunk in enumerate(model):
+        key = "model" if len(model) == 1 else f"model{i}"
+        weights = {name: value for name, value in loaded[key].items() if not EXTRA_STATE.search(name)}
+        result = chunk.load_state_dict(weights, strict=False)
+        wrong = [
+            name
+            for name in result.missing_keys + result.unexpected_keys
+            if not EXTRA_STATE.search(name) and name.rpartition(".")[0] not in streamed
+        ]
+        if wrong:
+            raise ConversionError(f"torch_dist weights do not fit the model: {wrong[:3]} ({len(wrong)} in all)")
+
+
+def write_run_config(provider: Any, path: Path) -> None:
+    """``{model: provider}`` in Megatron-Bridge's run-config format (``ConfigContainer.to_yaml``)."""
+    import yaml
+    from megatron.bridge.training.utils.config_utils import _ConfigContainerBase
+    from megatron.training.config.yaml_utils import safe_yaml_representers
+
+    model = _ConfigContainerBase._convert_value_to_dict(provider)
+    with safe_yaml_representers():
+        path.write_text(yaml.safe_dump({"model": model}, default_flow_style=False))
+
+
+def provider_from_run_config(iteration_dir: str | os.PathLike) -> Any:
+    """The model provider a ``run_config.yaml`` describes, as Megatron-Bridge's ``load_model_config`` builds it."""
+    import yaml
+    from megatron.bridge.utils.instantiate_utils import instantiate
+
+    allow_run_config_targets()
+    config = yaml.safe_load((Path(iteration_dir) / RUN_CONFIG_NAME).read_text())
+    return instantiate(config["model"])
