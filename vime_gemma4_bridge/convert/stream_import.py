@@ -31,6 +31,7 @@ and every chunk with megatron-core's save of the same model). Gap recorded in do
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
 import mmap
 import os
@@ -51,6 +52,7 @@ from vime_gemma4_bridge.convert.streaming import (
     stored_shape,
 )
 from vime_gemma4_bridge.io.hf import HFCheckpoint, TensorLocation
+from vime_gemma4_bridge.io.torch_dist import write_failure
 from vime_gemma4_bridge.io.torch_dist_layout import ConversionError, sharded_state_dict
 
 __all__ = ["ImportPlan", "plan_import"]
@@ -83,27 +85,41 @@ class ImportPlan:
         stop = threading.Event()
         parts = _balanced(list(self.experts.groups), lambda name: self.locations[name].nbytes, threads)
         stream = _Stream(self, directory.parent / f".{_FILE_PREFIX}{len(parts)}.distcp")
-        with ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="vime-gemma4-experts") as pool:
-            futures = [
-                pool.submit(self._write_experts, directory.parent / f".{_FILE_PREFIX}{i}.distcp", names, stop)
-                for i, names in enumerate(parts)
-            ]
-            try:
-                yield stream
-            except BaseException:
-                stop.set()
-                raise
-            written = [*stream.written, *(item for future in futures for item in future.result())]
-        for i in range(len(parts) + 1):
-            os.replace(directory.parent / f".{_FILE_PREFIX}{i}.distcp", directory / f"{_FILE_PREFIX}{i}.distcp")
-        from torch.distributed.checkpoint import FileSystemReader
+        try:
+            with ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="vime-gemma4-experts") as pool:
+                futures = [
+                    pool.submit(self._write_experts, directory.parent / f".{_FILE_PREFIX}{i}.distcp", names, stop)
+                    for i, names in enumerate(parts)
+                ]
+                try:
+                    yield stream
+                except BaseException:
+                    stop.set()
+                    raise
+                written = [*stream.written, *(item for future in futures for item in future.result())]
+            for i in range(len(parts) + 1):
+                os.replace(directory.parent / f".{_FILE_PREFIX}{i}.distcp", directory / f"{_FILE_PREFIX}{i}.distcp")
+            from torch.distributed.checkpoint import FileSystemReader
 
-        metadata = FileSystemReader(str(directory)).read_metadata()
-        _index(metadata, written)
-        staged = directory / ".metadata.vime-gemma4"
-        with open(staged, "wb") as handle:
-            pickle.dump(metadata, handle)
-        os.replace(staged, directory / ".metadata")
+            metadata = FileSystemReader(str(directory)).read_metadata()
+            _index(metadata, written)
+            staged = directory / ".metadata.vime-gemma4"
+            with open(staged, "wb") as handle:
+                pickle.dump(metadata, handle)
+            os.replace(staged, directory / ".metadata")
+        except OSError as error:
+            if error.errno not in _WRITE_ERRNOS:
+                raise
+            # One line, as megatron-core's own write failures are reported (io.torch_dist.save_torch_dist).
+            raise ConversionError(
+                f"writing torch_dist to {directory} failed: {error.strerror or error} ({error.filename or directory})"
+            ) from None
+        except RuntimeError as error:
+            if "inline_container" not in str(error):
+                raise
+            # torch.save reports a failed write as its own position check: ask the file system why.
+            why = write_failure(directory.parent)
+            raise ConversionError(f"writing torch_dist to {directory} failed: {why}") from None
 
     def _write_experts(self, path: Path, names: list[str], stop: threading.Event) -> list[_Written]:
         """Write the expert chunks of HF tensors ``names`` to ``path`` as torch_dist items, in order.
@@ -204,6 +220,9 @@ class _Stream:
                     torch.save(chunk, out)
                     self.written.append(_Written(piece, self.path.name.lstrip("."), offset, out.tell() - offset))
 
+
+#: Failures of a write itself (not of reading the sources): reported as the torch_dist write's.
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO, errno.EACCES, errno.EPERM}
 
 #: Our files' names: PyTorch's writer names its files ``__{rank}_{n}.distcp``, never so.
 _FILE_PREFIX = "__0_streamed_"

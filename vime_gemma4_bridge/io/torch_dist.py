@@ -310,14 +310,12 @@ def save_torch_dist(model: list, iteration_dir: str | os.PathLike, *, leave_out:
     except BaseException as error:  # PyTorch's CheckpointException is a BaseException
         if isinstance(error, KeyboardInterrupt | SystemExit):
             raise
-        raise ConversionError(
-            f"writing torch_dist to {iteration_dir} failed: {_write_failure(iteration_dir)}"
-        ) from None
+        raise ConversionError(f"writing torch_dist to {iteration_dir} failed: {write_failure(iteration_dir)}") from None
     finally:
         quiet.setLevel(level)
 
 
-def _write_failure(directory: Path) -> str:
+def write_failure(directory: Path) -> str:
     """Why a write into ``directory`` failed, as far as the file system tells (the writer's errors do not)."""
     probe = directory / ".vime-gemma4-write-probe"
     try:
