@@ -114,7 +114,8 @@ class ExportPlan:
                 if batch is None:
                     batch = ready[key] = produce(key)
                 tensor = batch.pop(name, None)
-                if not batch:
+                done = not batch
+                if done:
                     del ready[key]
                 shape, dtype = signature[name]
                 if tensor is None or list(tensor.shape) != list(shape) or SAFETENSORS_DTYPES[tensor.dtype] != dtype:
@@ -123,6 +124,10 @@ class ExportPlan:
                     )
                     raise ConversionError(f"export of {name} produced {got}, the source has {dtype} {list(shape)}")
                 yield tensor
+                if done:  # written: the group's stored chunks may leave this process (the page cache keeps them)
+                    for task in groups[key]:
+                        for piece in self.direct[task.param_name]:
+                            reader.release(piece.key, piece.global_offset)
 
             return one
 
@@ -132,14 +137,21 @@ class ExportPlan:
         }
 
     def _assembled(self, task: Any, reader: TorchDistReader) -> torch.Tensor:
-        """``task``'s weight from its stored chunks, in a tensor of its own (the model's stays untouched)."""
+        """``task``'s weight from its stored chunks; the model's own weight stays untouched.
+
+        A weight stored as one chunk is that chunk, in place in the memory-mapped file (no copy);
+        one stored as several (gate/up halves) is copied into a tensor of its own.
+        """
         assert self.direct is not None
+        pieces = self.direct[task.param_name]
+        if len(pieces) == 1:
+            piece = pieces[0]
+            return reader.read(piece.key, piece.global_offset, stored_shape(piece)).view(task.param_weight.shape)
         weight = torch.empty_like(task.param_weight, memory_format=torch.contiguous_format)
         flat, start = weight.view(-1), 0
-        for piece in self.direct[task.param_name]:
+        for piece in pieces:
             count = piece.data.numel()
             flat[start : start + count].copy_(reader.read(piece.key, piece.global_offset, stored_shape(piece)).view(-1))
-            reader.release(piece.key, piece.global_offset)
             start += count
         return weight
 
