@@ -10,7 +10,9 @@ scripts are run once as programs (under torchrun and plain python).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -569,26 +572,51 @@ def test_default_topology_export_streams_experts_when_stored_whole(
     assert_same_checkpoint(hf, out)
 
 
-def _import_failing_after_save(hf_checkpoint: str, save: str, partial: str, topology: Topology) -> dict:
-    """import_job with a failure after the torch_dist files are written, before the checkpoint is complete."""
-    from vime_gemma4_bridge.io import torch_dist
+def _import_patched(owner: str, name: str, replacement: Any, *job_args: Any) -> dict:
+    """import_job with ``owner.name`` replaced in this rank for the call (a fault planted on purpose).
 
-    def fail(*args, **kwargs):
-        raise OSError("disk full (injected)")
-
-    original = torch_dist.write_run_config
-    torch_dist.write_run_config = fail
+    ``owner`` is a module, or ``module:Class``; the original is put back afterwards.
+    """
+    module, _, cls = owner.partition(":")
+    target = importlib.import_module(module)
+    target = getattr(target, cls) if cls else target
+    had = name in vars(target)
+    original = vars(target).get(name)
+    setattr(target, name, replacement)
     try:
-        return import_job(hf_checkpoint, save, partial, topology)
+        return import_job(*job_args)
     finally:
-        torch_dist.write_run_config = original
+        if had:
+            setattr(target, name, original)
+        else:
+            delattr(target, name)
+
+
+def _raise(error: type[Exception], message: str, *args: Any, **kwargs: Any) -> None:
+    raise error(message)
+
+
+def _shifted_hf_to_megatron(self: Any, hf_weights: Any, megatron_module: Any) -> Any:
+    """Upstream's gate/up import, rolled by one row: a mapping that is not a plain slice of the HF tensor."""
+    from megatron.bridge.models.conversion import param_mapping
+
+    return param_mapping.FusedGatedExpertMapping.hf_to_megatron(self, hf_weights, megatron_module).roll(1, dims=0)
+
+
+#: A failure after the torch_dist files are written, before the checkpoint is complete.
+_IMPORT_FAILING_AFTER_SAVE = functools.partial(
+    _import_patched,
+    "vime_gemma4_bridge.io.torch_dist",
+    "write_run_config",
+    functools.partial(_raise, OSError, "disk full (injected)"),
+)
 
 
 def test_failed_import_leaves_nothing(local_world, checkpoints, tmp_path: Path) -> None:
     save, partial = tmp_path / "ckpt", tmp_path / ".ckpt.partial-test"
     with pytest.raises(RankError, match="disk full"):
         local_world(2).run(
-            _import_failing_after_save, str(checkpoints["moe-vl"]), str(save), str(partial), Topology(ep=2)
+            _IMPORT_FAILING_AFTER_SAVE, str(checkpoints["moe-vl"]), str(save), str(partial), Topology(ep=2)
         )
     assert not save.exists() and not partial.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
@@ -677,40 +705,30 @@ def test_streamed_import_loads_with_megatron_core_at_other_topologies(
     assert_same_checkpoint(checkpoints["moe-vl"], tmp_path / "hf")
 
 
-def _import_with_expert0_altered(hf_checkpoint: str, save: str, partial: str, topology: Topology) -> dict:
-    """import_job where the gate/up mapping is not a plain slice of the HF tensor (its output shifted)."""
-    from vime_gemma4_bridge.compat import mappings
-
-    original = mappings.FusedGatedExpertMapping.hf_to_megatron
-
-    def shifted(self, hf_weights, megatron_module):
-        return original(self, hf_weights, megatron_module).roll(1, dims=0)
-
-    mappings.FusedGatedExpertMapping.hf_to_megatron = shifted
-    try:
-        return import_job(hf_checkpoint, save, partial, topology)
-    finally:
-        mappings.FusedGatedExpertMapping.hf_to_megatron = original
-
-
-def _import_failing_in_save(hf_checkpoint: str, save: str, partial: str, topology: Topology) -> dict:
-    """import_job whose megatron-core save fails while the expert files are being written."""
-    from vime_gemma4_bridge.io import torch_dist
-
-    def fail(*args, **kwargs):
-        raise OSError("no space left on device (injected)")
-
-    original = torch_dist.save_torch_dist
-    torch_dist.save_torch_dist = fail
-    try:
-        return import_job(hf_checkpoint, save, partial, topology)
-    finally:
-        torch_dist.save_torch_dist = original
-
-
 @pytest.mark.parametrize(
     ("job", "message"),
-    [(_import_with_expert0_altered, "is not a plain slice"), (_import_failing_in_save, "no space left")],
+    [
+        # The gate/up mapping is not a plain slice of the HF tensor: expert 0's check must stop the import.
+        (
+            functools.partial(
+                _import_patched,
+                "vime_gemma4_bridge.compat.mappings:FusedGatedExpertMapping",
+                "hf_to_megatron",
+                _shifted_hf_to_megatron,
+            ),
+            "is not a plain slice",
+        ),
+        # megatron-core's save fails while the expert files are being written.
+        (
+            functools.partial(
+                _import_patched,
+                "vime_gemma4_bridge.io.torch_dist",
+                "save_torch_dist",
+                functools.partial(_raise, OSError, "no space left on device (injected)"),
+            ),
+            "no space left",
+        ),
+    ],
     ids=["expert-0-check", "save-fails"],
 )
 def test_streaming_import_failures_leave_nothing(local_world, checkpoints, tmp_path, job, message) -> None:

@@ -49,13 +49,11 @@ from vime_gemma4_bridge.convert.streaming import (
     plan_streamed_experts,
     stored_shape,
 )
-from vime_gemma4_bridge.io.hf import SAFETENSORS_DTYPES, LazyTensor
+from vime_gemma4_bridge.io.hf import SAFETENSORS_DTYPES, TORCH_DTYPES, LazyTensor
 from vime_gemma4_bridge.io.torch_dist_layout import ConversionError, refuse_unused_keys, sharded_state_dict
 from vime_gemma4_bridge.io.torch_dist_reader import TorchDistReader
 
 __all__ = ["ExportPlan", "plan_export", "streamed_export_tensors"]
-
-_TORCH_DTYPES = {label: dtype for dtype, label in SAFETENSORS_DTYPES.items()}
 
 
 @dataclass
@@ -132,7 +130,7 @@ class ExportPlan:
             return one
 
         return {
-            name: LazyTensor(tuple(signature[name][0]), _TORCH_DTYPES[signature[name][1]], pieces(name))
+            name: LazyTensor(tuple(signature[name][0]), TORCH_DTYPES[signature[name][1]], pieces(name))
             for name in owner
         }
 

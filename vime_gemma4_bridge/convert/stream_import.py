@@ -51,7 +51,7 @@ from vime_gemma4_bridge.convert.streaming import (
     plan_streamed_experts,
     stored_shape,
 )
-from vime_gemma4_bridge.io.hf import HFCheckpoint, TensorLocation
+from vime_gemma4_bridge.io.hf import HFCheckpoint, TensorLocation, release_pages
 from vime_gemma4_bridge.io.torch_dist import write_failure
 from vime_gemma4_bridge.io.torch_dist_layout import ConversionError, sharded_state_dict
 
@@ -145,17 +145,9 @@ class ImportPlan:
                         torch.save(chunk.view(stored_shape(piece)), out)  # what PyTorch's writer stores per item
                         written.append(_Written(piece, path.name.lstrip("."), start, out.tell() - start))
                         del chunk
-                        _drop_pages(mapping, position, count * piece.dtype.itemsize)
+                        release_pages(mapping, position, count * piece.dtype.itemsize)
                         position += count * piece.dtype.itemsize
         return written
-
-
-def _drop_pages(mapping: mmap.mmap, offset: int, length: int) -> None:
-    """Release the whole pages of ``[offset, offset + length)`` from this process (the page cache keeps them)."""
-    start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
-    end = (offset + length) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > start:
-        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 @dataclass(frozen=True)

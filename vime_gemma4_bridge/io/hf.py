@@ -52,6 +52,18 @@ def language_model_prefix(config: Mapping) -> str:
     )
 
 
+def release_pages(mapping: mmap.mmap, offset: int, length: int) -> None:
+    """Drop the whole pages of ``[offset, offset + length)`` of a private mapping from this process.
+
+    They stay in the page cache, and a later access faults the file's bytes back in (the mapping is
+    never written), so this is safe even while a tensor still views them: RSS stays ~one chunk.
+    """
+    start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (offset + length) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
 @dataclass(frozen=True)
 class TensorLocation:
     """A tensor's bytes inside a safetensors shard: read directly, they cost one copy and no mapping."""
@@ -146,8 +158,9 @@ class HFCheckpoint:
             header_size = int.from_bytes(handle.read(8), "little")
             entry = json.loads(handle.read(header_size))[name]
         begin, end = entry["data_offsets"]
-        dtype = next(torch_dtype for torch_dtype, label in SAFETENSORS_DTYPES.items() if label == entry["dtype"])
-        return TensorLocation(path, 8 + header_size + begin, end - begin, tuple(entry["shape"]), dtype)
+        return TensorLocation(
+            path, 8 + header_size + begin, end - begin, tuple(entry["shape"]), TORCH_DTYPES[entry["dtype"]]
+        )
 
     def lazy(self, name: str) -> LazyTensor:
         """Tensor ``name`` as a :class:`LazyTensor` over a memory mapping of its shard (read only while written)."""
@@ -365,6 +378,7 @@ SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
 }
 DTYPE_BYTES = {name: dtype.itemsize for dtype, name in SAFETENSORS_DTYPES.items()}
+TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 def save_safetensors(

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from vime_gemma4_bridge.io.hf import release_pages
+
 __all__ = ["TorchDistReader"]
 
 
@@ -209,19 +211,11 @@ class TorchDistReader:
         return tensor
 
     def release(self, key: str, offsets: Sequence[int]) -> None:
-        """Drop a used chunk's pages from this process (they stay in the page cache): RSS stays ~one chunk.
-
-        Safe even while a tensor still views them: the mapping is private and never written, so a
-        later access faults the file's bytes back in.
-        """
+        """Drop a used chunk's pages from this process (:func:`~vime_gemma4_bridge.io.hf.release_pages`)."""
         info = self._items[(key, tuple(offsets))]
         buffer = self._files.get(info.relative_path)
-        if buffer is None:
-            return
-        start = -(-info.offset // mmap.PAGESIZE) * mmap.PAGESIZE
-        end = (info.offset + info.length) // mmap.PAGESIZE * mmap.PAGESIZE
-        if end > start:
-            buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
+        if buffer is not None:
+            release_pages(buffer, info.offset, info.length)
 
     def close(self) -> None:
         """Drop the mappings (a mapping still viewed by a tensor is unmapped when that tensor goes)."""
