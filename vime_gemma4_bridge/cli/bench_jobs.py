@@ -27,7 +27,7 @@ from typing import Any
 
 from vime_gemma4_bridge.convert.topology import Topology
 
-__all__ = ["PeakRSS", "live_job", "measured_job", "reference_job", "silenced", "writer_startup_job"]
+__all__ = ["PeakRSS", "live_job", "measured_job", "reference_job", "silenced"]
 
 
 def _status_kb(field_name: str) -> int:
@@ -260,23 +260,3 @@ def _copy_reference(bridge: Any, model: Sequence[Any], buffer_size: int) -> dict
             del copied
         del chunk
     return {"seconds": seconds, "cpu": cpu, "peak_rss": _rss_bytes(), "extra_rss": largest}
-
-
-def writer_startup_job() -> float:
-    """Start megatron-core's torch_dist writer helper process now; return the seconds it took.
-
-    megatron-core's ``FileSystemWriterAsync`` (behind every torch_dist save, synchronous ones too)
-    collects write results through a ``multiprocessing.Manager`` queue that it creates, with the
-    *spawn* context, the first time a process saves. That is process start-up, paid once per rank
-    process by every ``vime-gemma4 import`` run; like rank start-up it is kept out of the conversion
-    figures (otherwise only the first size measured in a world would be charged for it) and reported
-    on a line of its own.
-    """
-    start = time.perf_counter()
-    try:
-        from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
-    except ImportError:  # another megatron-core layout: the import step pays it, as the command does
-        return 0.0
-    with silenced(True):
-        get_write_results_queue()
-    return time.perf_counter() - start

@@ -58,7 +58,6 @@ class BenchResult:
     layer_experts: int
     steps: list[Step]
     generate_seconds: list[float]
-    writer_startup: dict[int, float] = field(default_factory=dict)  # nproc -> seconds (slowest rank)
 
     def find(self, step: str, size: int, nproc: int) -> Step | None:
         """The measurement of ``step`` at ``size`` bytes and ``nproc`` ranks (the reference: any nproc)."""
@@ -145,13 +144,12 @@ def format_report(result: BenchResult) -> list[str]:
             phases = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in step.phases.items())
             note = f"; {step.note}" if step.note else ""
             lines.append(f"phases {step.step} {step.size_bytes / 1e9:.3f} GB nproc {step.nproc}: {phases}{note}")
-    startup = ", ".join(f"nproc {n}: {s:.1f} s" for n, s in result.writer_startup.items())
     n = result.headline_nproc
     export, imp, live_vs_copy = result.ratio("export"), result.ratio("import"), result.live_vs_copy()
     live_extra, experts = result.peak_extra("live"), result.layer_experts
     live_limit = result.buffer_size + experts
     lines += [
-        f"not counted: rank start-up and imports; torch_dist writer helper start-up ({startup})",
+        "not counted: rank start-up and imports",
         "",
         f"headline: size {result.sizes[0] / 1e9:.3f} GB, nproc {n}; ratios = conversion wall time / reference wall "
         f"time (CPU-time ratios: export {_fmt(result.ratio('export', cpu=True))}, "

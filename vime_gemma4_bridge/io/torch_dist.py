@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from vime_gemma4_bridge.compat.cuda import cpu_checkpointing
+from vime_gemma4_bridge.compat.write_results import in_process_write_results
 from vime_gemma4_bridge.core.hf_layout import text_config_dict
 from vime_gemma4_bridge.io.torch_dist_layout import EXTRA_STATE, ConversionError, refuse_unused_keys, sharded_state_dict
 
@@ -299,7 +300,7 @@ def save_torch_dist(model: list, iteration_dir: str | os.PathLike, *, leave_out:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        with cpu_checkpointing():
+        with cpu_checkpointing(), in_process_write_results():
             dist_checkpointing.save(
                 state,
                 str(iteration_dir),
