@@ -72,6 +72,38 @@ def test_stream_is_the_language_model_with_megatron_names(local_world, hf_vl: Pa
     assert "model.language_model.layers.1.self_attn.v_proj.weight" not in megatron  # k_eq_v global layer
 
 
+def _task_order_job(hf_checkpoint: str, topology: Topology) -> tuple[list[str], list[str]]:
+    """This rank's task names as the plugin orders them, and as Megatron-Bridge's own build orders them."""
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+
+    from vime_gemma4_bridge.compat import seams
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+
+    init_model_parallel(topology)
+    bridge = convert.open_bridge(hf_checkpoint)
+    model = convert.build_model(bridge, topology, initialize=False)
+    ours = bridge.get_conversion_tasks(model)
+    upstream = MegatronModelBridge.build_conversion_tasks(
+        bridge._model_bridge, bridge.hf_pretrained, model, **seams.conversion_task_kwargs(None)
+    )
+    return [t.global_param_name for t in ours if t is not None], [t.global_param_name for t in upstream if t]
+
+
+def test_expert_tasks_are_ordered_one_stack_at_a_time(local_world, hf_vl: Path) -> None:
+    """Each layer's gate_up stack completes before its down stack starts filling: the live peak holds one chunk less."""
+    for ours, upstream in local_world(4).run(_task_order_job, str(hf_vl), Topology(pp=2, ep=2)):
+        assert sorted(ours) == sorted(upstream) and len(ours) == len(upstream), "a permutation of upstream's tasks"
+        assert ours != upstream, "upstream interleaves the stacks, so the order must differ"
+        experts = [name for name in ours if ".mlp.experts." in name]
+        assert experts, "the tiny model is an MoE on every stage"
+        for layer in sorted({name.split(".mlp.")[0] for name in experts}):
+            kinds = [name.split(".experts.")[1] for name in experts if name.startswith(layer + ".")]
+            fc1 = [kind for kind in kinds if kind.startswith("linear_fc1")]
+            assert kinds == fc1 + [kind for kind in kinds if kind.startswith("linear_fc2")], (layer, kinds)
+            assert fc1 == sorted(fc1, key=lambda kind: int(kind.removeprefix("linear_fc1.weight"))), fc1
+
+
 def check_dump(dump: Path, hf: Path, buffer_size: int) -> None:
     seen: set[str] = set()
     index = json.loads((dump / "model.safetensors.index.json").read_text())["weight_map"]

@@ -221,12 +221,15 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
         return build_registry(table, LANGUAGE_MODEL_PREFIX[self._architecture()])
 
     def build_conversion_tasks(self, hf_pretrained: Any, megatron_model: list, weight_dtype: Any = None) -> list:
-        """Megatron-Bridge's tasks, refusing what upstream would skip with a warning or let through."""
+        """Megatron-Bridge's tasks, refusing what upstream would skip with a warning or let through.
+
+        Ordered one expert stack at a time (:func:`one_stack_at_a_time`).
+        """
         tasks = super().build_conversion_tasks(
             hf_pretrained, megatron_model, **seams.conversion_task_kwargs(weight_dtype)
         )
         check_conversion_tasks(tasks, megatron_model, self._unwrap_name)
-        return tasks
+        return one_stack_at_a_time(tasks)
 
     def maybe_modify_loaded_hf_weight(self, hf_param: str | dict[str, str], hf_state_dict: Any) -> Any:
         """Supply the projections HF leaves out: V = K on k_eq_v full layers, zero K/V on KV-shared layers."""
@@ -314,6 +317,31 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
         """Upstream export, after proving the tied output layer still equals the embedding."""
         check_tied_embeddings(megatron_model)
         yield from super().stream_weights_megatron_to_hf(megatron_model, hf_pretrained, *args, **kwargs)
+
+
+def one_stack_at_a_time(tasks: list) -> list:
+    """The tasks with each run of grouped-export (expert) tasks ordered stack by stack, in first-seen order.
+
+    Megatron-Bridge sorts tasks by the numbers in their names, which interleaves a layer's experts
+    (``linear_fc1.weight0``, ``linear_fc2.weight0``, ``linear_fc1.weight1`` ...): both of the
+    layer's stacks fill together and are complete only at its last expert, while the consumer
+    still holds the chunk it was assembling. Stack after stack, ``gate_up_proj`` is handed on
+    (flushing that chunk) before ``down_proj`` starts to fill, which lowers the export's peak by
+    up to a chunk. Every rank gets the same permutation: it depends on the tasks' stacked HF names
+    and positions only, which agree across pipeline and expert-parallel ranks (upstream's
+    collectives pair tasks by position). Every task is kept; expert order within a stack is unchanged.
+    """
+    ordered: list = []
+    stacks: dict[str, list] = {}  # the current run of expert tasks, by stacked HF tensor
+    for task in tasks:
+        if task is not None and getattr(task.mapping, "is_grouped_export", False):
+            stacks.setdefault(str(task.mapping.hf_param), []).append(task)
+            continue
+        ordered.extend(grouped for stack in stacks.values() for grouped in stack)
+        stacks.clear()
+        ordered.append(task)
+    ordered.extend(grouped for stack in stacks.values() for grouped in stack)
+    return ordered
 
 
 class IncompleteMapping(ValueError):
