@@ -13,6 +13,7 @@ in memory order, the experts are plain stacks):
   address space, not memory);
 * every non-expert weight is converted by its Megatron-Bridge task (the bridge's
   ``maybe_modify_loaded_hf_weight`` hook, then the mapping's ``hf_to_megatron``), one at a time,
+  from a memory mapping of its shard (no read copy; a weight passed through is written from it),
   and written as the torch_dist items megatron-core would write (key, global offset and shape from
   the model's own ``sharded_state_dict``; ``torch.save`` per item, as PyTorch's writer does);
 * the routed experts are byte ranges of the HF tensor ``layers.N.experts.gate_up_proj`` [E, 2I, H]
@@ -65,7 +66,7 @@ class ImportPlan:
     experts: StreamedExperts  # routed experts, written as byte ranges of their HF tensors
     converted_tasks: list[Any]  # every other task, and expert 0 of every HF expert tensor (checked)
     pieces: dict[str, list[Any]]  # parameter name -> its ShardedTensors in memory order
-    locations: dict[str, TensorLocation]  # HF expert tensor name -> its bytes in the shard
+    locations: dict[str, TensorLocation]  # HF tensor name (language model, with the experts) -> its bytes in the shard
 
     def streamed_params(self) -> set[str]:
         """Parameter names whose torch_dist items this plan writes (megatron-core saves the rest)."""
@@ -177,7 +178,7 @@ class _Stream:
         conversion must equal the bytes the expert threads copy.
         """
         plan = self.plan
-        state = _MappedExperts(hf_state, plan.locations)
+        state = _MappedState(hf_state, plan.locations)
         firsts = {id(group[0].task): name for name, group in plan.experts.groups.items()}
         with open(self.path, "wb") as out, torch.no_grad():
             for task in plan.converted_tasks:
@@ -233,8 +234,13 @@ def _balanced(names: list[str], size: Callable[[str], int], parts: int) -> list[
     return runs
 
 
-class _MappedExperts(Mapping):
-    """The HF state, with the expert tensors over memory mappings of their shards instead of read whole."""
+class _MappedState(Mapping):
+    """The HF state, each tensor over a private memory mapping of its shard instead of read into memory.
+
+    A weight a mapping passes through unchanged (any replicated one at TP1) is then written to its
+    item straight from the page cache, and one that is converted costs its conversion only: no read
+    copy, and nothing left in the heap (a mapping is released with the tensor).
+    """
 
     def __init__(self, state: Mapping[str, torch.Tensor], locations: Mapping[str, TensorLocation]) -> None:
         self._state = state
@@ -311,12 +317,11 @@ def plan_import(bridge: Any, model: list[torch.nn.Module], source: HFCheckpoint)
         if ordered is None:
             return None
         pieces[task.param_name] = ordered
-    locations: dict[str, TensorLocation] = {}
+    locations = source.locations(source.language_model_names())
     for name, group in experts.groups.items():
         param = group[0].task.param_weight
-        location = source.locate(name) if name in source.weight_map else None
+        location = locations.get(name)
         if location is None or location.shape != (len(group), *param.shape) or location.dtype != param.dtype:
             return None
-        locations[name] = location
     copied = {id(expert.task) for group in experts.groups.values() for expert in group[1:]}
     return ImportPlan(experts, [task for task in tasks if id(task) not in copied], pieces, locations)

@@ -153,14 +153,24 @@ class HFCheckpoint:
 
     def locate(self, name: str) -> TensorLocation:
         """Where tensor ``name``'s bytes are: its shard, their byte range, its shape and dtype (header only)."""
-        path = self.path / self.weight_map[name]
-        with open(path, "rb") as handle:
-            header_size = int.from_bytes(handle.read(8), "little")
-            entry = json.loads(handle.read(header_size))[name]
-        begin, end = entry["data_offsets"]
-        return TensorLocation(
-            path, 8 + header_size + begin, end - begin, tuple(entry["shape"]), TORCH_DTYPES[entry["dtype"]]
-        )
+        return self.locations([name])[name]
+
+    def locations(self, names: Iterable[str]) -> dict[str, TensorLocation]:
+        """:meth:`locate` for each of ``names``, reading each shard's header once."""
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.weight_map[name], []).append(name)
+        found: dict[str, TensorLocation] = {}
+        for file, file_names in by_file.items():
+            path = self.path / file
+            with open(path, "rb") as handle:
+                header_size = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(header_size))
+            for name in file_names:
+                begin, end = header[name]["data_offsets"]
+                shape, dtype = tuple(header[name]["shape"]), TORCH_DTYPES[header[name]["dtype"]]
+                found[name] = TensorLocation(path, 8 + header_size + begin, end - begin, shape, dtype)
+        return found
 
     def lazy(self, name: str) -> LazyTensor:
         """Tensor ``name`` as a :class:`LazyTensor` over a memory mapping of its shard (read only while written)."""
