@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import shutil
 import sys
@@ -48,7 +49,6 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from vime_gemma4_bridge.cli.bench_jobs import live_job, measured_job, reference_job
 from vime_gemma4_bridge.cli.bench_report import BenchResult, Step, format_report
@@ -132,7 +132,9 @@ def run_bench(
             for source, nbytes in zip(sources, sizes, strict=True):
                 tag = f"{source.name}-n{nproc}"
                 if nproc == result.nprocs[0]:
-                    ref = world.run(reference_job, str(source), str(workdir / f"ref-{tag}"), REPEATS)[0]
+                    ref_dir = workdir / f"ref-{tag}"
+                    measure = functools.partial(world.run, reference_job, str(source), str(ref_dir))
+                    ref = _best_of(measure, outputs=(ref_dir,))[0]
                     result.steps.append(
                         Step(
                             "reference",
@@ -145,7 +147,7 @@ def run_bench(
                             ref["extra_rss"],
                         )
                     )
-                    _cleanup(workdir / f"ref-{tag}", keep)
+                    _cleanup(ref_dir, keep)
                     log(f"bench: {tag} reference {ref['seconds']:.2f} s")
                 # First: the conversions after it leave the ranks' heaps fragmented, which would be
                 # counted as the live export's memory (vime's actor runs it on a settled process).
@@ -171,12 +173,16 @@ def run_bench(
                 save, output = workdir / f"td-{tag}", workdir / f"out-{tag}"
                 partial = workdir / f".td-{tag}.partial"
                 job_args = (str(source), str(save), str(partial), topology)
-                results = _best_of(world, import_job, job_args, quiet, outputs=(save, partial))
+                results = _best_of(
+                    functools.partial(world.run, measured_job, import_job, job_args, quiet), outputs=(save, partial)
+                )
                 result.steps.append(_conversion_step("import", nbytes, nproc, topology, results))
                 log(f"bench: {tag} import {result.steps[-1].seconds:.2f} s (best of {REPEATS})")
                 # The export a user runs: default topology (experts streamed, see convert/stream_export.py).
                 job_args = (str(save), str(source), str(output), Topology(), True, _max_shard_bytes(source))
-                results = _best_of(world, export_job, job_args, quiet, outputs=(output,))
+                results = _best_of(
+                    functools.partial(world.run, measured_job, export_job, job_args, quiet), outputs=(output,)
+                )
                 result.steps.append(_conversion_step("export", nbytes, nproc, Topology(), results))
                 log(f"bench: {tag} export {result.steps[-1].seconds:.2f} s (best of {REPEATS})")
                 _check_output(source, output)
@@ -188,20 +194,19 @@ def run_bench(
     return result
 
 
-def _best_of(
-    world: LocalWorld, job: Callable[..., Any], job_args: tuple, quiet: bool, *, outputs: Sequence[Path]
-) -> list[dict]:
-    """``measured_job(job, job_args)`` run :data:`REPEATS` times, as the reference is: the fastest run's figures.
+def _best_of(measure: Callable[[], list[dict]], *, outputs: Sequence[Path]) -> list[dict]:
+    """``measure()`` (one measurement per rank; ``None`` where a rank measures nothing) run :data:`REPEATS`
+    times: the fastest run's figures.
 
-    Each run starts by removing what the one before wrote (``outputs``), as each of the reference's
-    runs does, so every run writes into the same kind of free memory. Wall and CPU time are the
-    fastest run's; peak memory is the largest of any run (memory is not allowed a best case).
+    Each run starts by removing what the one before wrote (``outputs``), so every run writes into
+    the same kind of free memory. Wall and CPU time are the fastest run's; peak memory is the
+    largest of any run (memory is not allowed a best case).
     """
     runs = []
     for _ in range(REPEATS):
         for path in outputs:
             shutil.rmtree(path, ignore_errors=True)
-        runs.append(world.run(measured_job, job, job_args, quiet))
+        runs.append([results for results in measure() if results is not None])
     best = min(runs, key=lambda results: max(r["seconds"] for r in results))
     for rank, results in enumerate(best):
         for key in ("peak_rss", "extra_rss"):

@@ -122,33 +122,24 @@ def silenced(quiet: bool) -> Iterator[None]:
         logging.disable(logging.NOTSET)
 
 
-def reference_job(hf_checkpoint: str, out_dir: str, repeats: int = 3) -> dict[str, Any] | None:
+def reference_job(hf_checkpoint: str, out_dir: str) -> dict[str, Any] | None:
     """The physical limit, on rank 0 only: read every tensor with safetensors, write them to a new file set.
 
     Same shard files as the source, with ``safe_open(...).get_tensor`` and ``save_file`` (the library's
-    plain API, one shard in memory at a time). It takes a fraction of a second, so one hiccup of a
-    shared host would swing every ratio: the best of ``repeats`` runs is kept (the limit is what the
-    machine *can* do; keeping the best only makes the conversions' ratios larger). Other ranks return
-    ``None`` at once.
+    plain API, one shard in memory at a time). Other ranks return ``None`` at once. It takes a
+    fraction of a second, so the bench keeps the best of several runs, as for the conversions.
     """
     import torch.distributed as dist
 
     if dist.get_rank() != 0:
         return None
-    runs = [_reference_once(hf_checkpoint, out_dir) for _ in range(max(1, repeats))]
-    return min(runs, key=lambda run: run["seconds"])
-
-
-def _reference_once(hf_checkpoint: str, out_dir: str) -> dict[str, Any]:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from vime_gemma4_bridge.io import hf as hf_io
 
     source = hf_io.HFCheckpoint(hf_checkpoint)
-    by_file: dict[str, list[str]] = {}
-    for name, file in source.weight_map.items():
-        by_file.setdefault(file, []).append(name)
+    by_file = source.by_shard(source.names())
     out = Path(out_dir)
     shutil.rmtree(out, ignore_errors=True)
     _release_memory()

@@ -137,14 +137,18 @@ class HFCheckpoint:
         """The tensors that belong to Megatron (the language-model filter)."""
         return [name for name in self.weight_map if name.startswith(self.prefix)]
 
+    def by_shard(self, names: Iterable[str]) -> dict[str, list[str]]:
+        """``names`` grouped by the shard file that holds them (file order of first appearance)."""
+        grouped: dict[str, list[str]] = {}
+        for name in names:
+            grouped.setdefault(self.weight_map[name], []).append(name)
+        return grouped
+
     def signatures(self, names: Iterable[str]) -> dict[str, tuple[list[int], str]]:
         """``{name: (shape, safetensors dtype)}`` from the safetensors headers (no tensor data is read)."""
         wanted = list(names)
-        by_file: dict[str, list[str]] = {}
-        for name in wanted:
-            by_file.setdefault(self.weight_map[name], []).append(name)
         found: dict[str, tuple[list[int], str]] = {}
-        for file, file_names in by_file.items():
+        for file, file_names in self.by_shard(wanted).items():
             with safe_open(self.path / file, framework="pt") as handle:
                 for name in file_names:
                     piece = handle.get_slice(name)
@@ -157,11 +161,8 @@ class HFCheckpoint:
 
     def locations(self, names: Iterable[str]) -> dict[str, TensorLocation]:
         """:meth:`locate` for each of ``names``, reading each shard's header once."""
-        by_file: dict[str, list[str]] = {}
-        for name in names:
-            by_file.setdefault(self.weight_map[name], []).append(name)
         found: dict[str, TensorLocation] = {}
-        for file, file_names in by_file.items():
+        for file, file_names in self.by_shard(names).items():
             path = self.path / file
             with open(path, "rb") as handle:
                 header_size = int.from_bytes(handle.read(8), "little")
@@ -180,11 +181,8 @@ class HFCheckpoint:
     def load(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """Load the named tensors (all when ``names`` is None), opening each shard once."""
         wanted = self.names() if names is None else list(names)
-        by_file: dict[str, list[str]] = {}
-        for name in wanted:
-            by_file.setdefault(self.weight_map[name], []).append(name)
         tensors: dict[str, torch.Tensor] = {}
-        for file, file_names in by_file.items():
+        for file, file_names in self.by_shard(wanted).items():
             with safe_open(self.path / file, framework="pt") as handle:
                 for name in file_names:
                     tensors[name] = handle.get_tensor(name)
