@@ -1,4 +1,4 @@
-"""vime's Megatron-Bridge fork, reproduced on the installed release for tests: its three seams.
+"""vime's Megatron-Bridge fork, reproduced on the installed release for tests: where it differs from the release.
 
 The fork (``radixark/Megatron-Bridge@bridge``, read at 1187a604 / d063066b; docs/SEAMS.md) cannot be
 installed here, so :func:`fork_seams` patches the installed 0.6.2 release, for the duration of a
@@ -13,6 +13,23 @@ installed here, so :func:`fork_seams` patches the installed 0.6.2 release, for t
 3. **mappings without ``_pg_collection``** — mapping objects keep no process-group collection
    (``set_process_groups_from_pg_collection`` sets the groups only), and ``AutoMapping`` hands its
    delegate none, as the fork's ``_get_or_create_mapping`` does.
+4. **parallelism detection by exact class name** — the fork's ``AutoMapping._detect_parallelism_type``
+   (``param_mapping.py`` @d063066b) treats a module as a fused norm + column linear only when its
+   class is exactly ``TELayerNormColumnParallelLinear`` or ``InferenceLayerNormColumnParallelLinear``
+   (the release: any class name containing ``LayerNormColumnParallelLinear``); any other class then
+   goes through the registry, the ``tensor_model_parallel`` / ``partition_dim`` attributes, the
+   "Norm in the name -> replicated" rule and ``TELinear``, in the release's order.
+5. **tied-embedding broadcast from chunk 0 on every stage** — the fork's
+   ``MegatronModelBridge._broadcast_shared_embeddings`` (``model_bridge.py`` @1187a604, "TODO Fix for
+   VPP") reads ``unwrap_model(model)[0]`` on the last stage as on the first, so at VPP > 1 the last
+   stage's chunk has neither embedding nor output layer: ``AssertionError: Output layer not found``.
+6. **the HF save** — the fork's ``AutoBridge.save_hf_weights`` (``auto_bridge.py`` @d063066b) streams
+   without ``weight_dtype`` into ``SafeTensorsStateSource.save_generator``, whose loop reads each item
+   by attribute (``item.param_name, item.weight``: a plain ``(name, tensor)`` pair fails) and which,
+   strict or not, only *prints* "N tensors from the original checkpoint were not written" (the
+   release raises): the shards it could not complete are silently missing.
+7. **the tied alias by literal name** — the fork's export yields ``lm_head.weight`` after exactly
+   ``model.embed_tokens.weight`` when the source checkpoint holds an ``lm_head.weight``.
 
 Everything is restored on exit, and the plugin's cached seam detection is cleared both ways, so a
 shared rank process can run release and fork cases one after the other.
@@ -25,6 +42,9 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
+
+#: The only fused norm + column linear classes the fork's parallelism detection recognises (exact names).
+FORK_FUSED_NORM_LINEARS = ("TELayerNormColumnParallelLinear", "InferenceLayerNormColumnParallelLinear")
 
 
 def _clear_seam_cache() -> None:
@@ -41,6 +61,7 @@ def _clear_seam_cache() -> None:
 @contextlib.contextmanager
 def fork_seams() -> Iterator[None]:
     from megatron.bridge.models.conversion import auto_bridge, model_bridge, param_mapping
+    from megatron.bridge.models.hf_pretrained import state
 
     release_tuple = model_bridge.HFWeightTuple
     bridge_cls = model_bridge.MegatronModelBridge
@@ -51,9 +72,14 @@ def fork_seams() -> Iterator[None]:
         (bridge_cls, "_with_progress_tracking", bridge_cls._with_progress_tracking),
         (bridge_cls, "build_conversion_tasks", bridge_cls.build_conversion_tasks),
         (auto_bridge.AutoBridge, "export_hf_weights", auto_bridge.AutoBridge.export_hf_weights),
+        (auto_bridge.AutoBridge, "save_hf_weights", auto_bridge.AutoBridge.save_hf_weights),
+        (auto_bridge.AutoBridge, "save_hf_pretrained", auto_bridge.AutoBridge.save_hf_pretrained),
+        (state.SafeTensorsStateSource, "save_generator", state.SafeTensorsStateSource.save_generator),
         (mapping_cls, "__init__", mapping_cls.__init__),
         (mapping_cls, "set_process_groups_from_pg_collection", mapping_cls.set_process_groups_from_pg_collection),
         (param_mapping.AutoMapping, "_get_or_create_mapping", param_mapping.AutoMapping._get_or_create_mapping),
+        (param_mapping.AutoMapping, "_detect_parallelism_type", param_mapping.AutoMapping._detect_parallelism_type),
+        (bridge_cls, "_broadcast_shared_embeddings", bridge_cls._broadcast_shared_embeddings),
     ]
 
     class ForkHFWeightTuple(NamedTuple):
@@ -82,7 +108,15 @@ def fork_seams() -> Iterator[None]:
             self, model, hf_pretrained, cpu, show_progress, conversion_tasks, merge_adapter_weights
         ):
             # the release builds its tuples with the module's HFWeightTuple, patched here: take two fields
-            yield ForkHFWeightTuple(item[0], item[1], self._fork_current_task.param_name)
+            task_name = self._fork_current_task.param_name
+            yield ForkHFWeightTuple(item[0], item[1], task_name)
+            source = getattr(getattr(hf_pretrained, "state", None), "source", None)
+            if (
+                item[0] == "model.embed_tokens.weight"
+                and source is not None
+                and "lm_head.weight" in source.get_all_keys()
+            ):
+                yield ForkHFWeightTuple("lm_head.weight", item[1].clone().detach(), task_name)
 
     def export_hf_weights(
         self, model, cpu=False, show_progress=True, conversion_tasks=None, merge_adapter_weights=True
@@ -95,6 +129,66 @@ def fork_seams() -> Iterator[None]:
             conversion_tasks=conversion_tasks,
             merge_adapter_weights=merge_adapter_weights,
         )
+
+    release_save_generator = state.SafeTensorsStateSource.save_generator
+
+    def save_hf_weights(
+        self,
+        model,
+        path,
+        show_progress=True,
+        strict=True,
+        merge_adapter_weights=True,
+        distributed_save=False,
+        save_every_n_ranks=1,
+    ):
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        generator = self._model_bridge.stream_weights_megatron_to_hf(
+            model,
+            self.hf_pretrained,
+            cpu=True,
+            show_progress=show_progress,
+            merge_adapter_weights=merge_adapter_weights,
+        )
+        self.hf_pretrained.state.source.save_generator(
+            generator, path, strict=strict, distributed_save=distributed_save, save_every_n_ranks=save_every_n_ranks
+        )
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    def save_hf_pretrained(
+        self,
+        model,
+        path,
+        show_progress=True,
+        source_path=None,
+        strict=True,
+        merge_adapter_weights=True,
+        distributed_save=False,
+        save_every_n_ranks=1,
+    ):
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            additional_files = getattr(self._model_bridge, "ADDITIONAL_FILE_PATTERNS", None) or None
+            self.hf_pretrained.save_artifacts(path, original_source_path=source_path, additional_files=additional_files)
+        self.save_hf_weights(
+            model,
+            path,
+            show_progress,
+            strict,
+            merge_adapter_weights=merge_adapter_weights,
+            distributed_save=distributed_save,
+            save_every_n_ranks=save_every_n_ranks,
+        )
+
+    def save_generator(self, generator, output_path, strict=True, distributed_save=False, save_every_n_ranks=1):
+        pairs = ((item.param_name, item.weight) for item in generator)
+        try:
+            release_save_generator(self, pairs, output_path, strict, distributed_save, save_every_n_ranks)
+        except RuntimeError as error:
+            if "were not written" not in str(error):
+                raise
+            print(f"Error: {error}")
 
     def build_conversion_tasks(self, hf_pretrained, megatron_model):
         return release_build(self, hf_pretrained, megatron_model)
@@ -115,14 +209,64 @@ def fork_seams() -> Iterator[None]:
         }[parallelism_type]
         return delegate(self.megatron_param, self.hf_param)
 
+    def detect_parallelism_type(self, module):
+        module_type = type(module).__name__
+        if module_type in FORK_FUSED_NORM_LINEARS:
+            if self.megatron_param and self.megatron_param.endswith(("layer_norm_weight", "layer_norm_bias")):
+                return "replicated"
+            return "column"
+        for parallelism, types in self._MODULE_TYPE_REGISTRY.items():
+            if module_type in types:
+                return parallelism
+        if hasattr(module, "tensor_model_parallel"):
+            if not module.tensor_model_parallel:
+                return "replicated"
+            partition_dim = getattr(module, "partition_dim", None)
+            if partition_dim in (0, 1):
+                return "column" if partition_dim == 0 else "row"
+        if "Norm" in module_type or "Normalization" in module_type:
+            return "replicated"
+        if module_type == "TELinear":
+            return module.parallel_mode if module.parallel_mode in ("column", "row") else "replicated"
+        raise ValueError(f"Cannot determine parallelism type for module '{module_type}' at '{self.megatron_param}'")
+
+    def broadcast_shared_embeddings(self, megatron_model):
+        from megatron.core import parallel_state
+        from megatron.core.utils import unwrap_model
+
+        chunk = unwrap_model(megatron_model)[0]
+        config = chunk.config
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        if not (config.share_embeddings_and_output_weights and config.pipeline_model_parallel_size > 1):
+            return
+        if not (first or last):
+            return
+        group = parallel_state.get_embedding_group()
+        ranks = torch.distributed.get_process_group_ranks(group)
+        if torch.distributed.get_rank() in ranks:
+            if hasattr(chunk, "embedding") and hasattr(chunk.embedding, "word_embeddings"):
+                weights = chunk.embedding.word_embeddings.weight.data
+            else:
+                assert hasattr(chunk, "output_layer"), "Output layer not found"
+                weights = torch.empty_like(chunk.output_layer.weight.data)
+            torch.distributed.broadcast(weights, src=ranks[0], group=group)
+            if hasattr(chunk, "output_layer"):
+                chunk.output_layer.weight.data.copy_(weights)
+
     model_bridge.HFWeightTuple = ForkHFWeightTuple
     bridge_cls.stream_weights_megatron_to_hf = stream
     bridge_cls._with_progress_tracking = tracking
     bridge_cls.build_conversion_tasks = build_conversion_tasks
     auto_bridge.AutoBridge.export_hf_weights = export_hf_weights
+    auto_bridge.AutoBridge.save_hf_weights = save_hf_weights
+    auto_bridge.AutoBridge.save_hf_pretrained = save_hf_pretrained
+    state.SafeTensorsStateSource.save_generator = save_generator
     mapping_cls.__init__ = mapping_init
     mapping_cls.set_process_groups_from_pg_collection = set_groups
     param_mapping.AutoMapping._get_or_create_mapping = get_or_create_mapping
+    param_mapping.AutoMapping._detect_parallelism_type = detect_parallelism_type
+    bridge_cls._broadcast_shared_embeddings = broadcast_shared_embeddings
     _clear_seam_cache()
     try:
         yield

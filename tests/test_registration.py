@@ -30,6 +30,18 @@ TE_GUARD_ONLY = (
     "guard = u.module_from_spec(spec); spec.loader.exec_module(guard); guard.install()\n"
 )
 
+FOREIGN_PLUGIN = """
+import transformers
+from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge, get_model_bridge
+from megatron.core.models.gpt.gpt_model import GPTModel
+
+class ForeignBridge(MegatronModelBridge):
+    pass
+
+MegatronModelBridge.register_bridge(source="ForeignForCausalLM", target=GPTModel)(ForeignBridge)
+get_model_bridge(transformers.LlamaForCausalLM)
+"""
+
 OURS = {
     "Gemma4ForCausalLM": "Gemma4CausalLMBridge",
     "Gemma4ForConditionalGeneration": "Gemma4ConditionalGenerationBridge",
@@ -59,8 +71,11 @@ def dispatch_after(prelude: str, env: dict[str, str] | None = None) -> dict[str,
         # explicit registration, then upstream modules imported again
         "import vime_gemma4_bridge; vime_gemma4_bridge.register(); vime_gemma4_bridge.register()\n"
         "import importlib, megatron.bridge.models.gemma.gemma4_bridge as m; importlib.reload(m)\n",
+        # vime's own plugin (vime_plugins.megatron_bridge) registers another architecture and a
+        # bridge look-up runs before this plugin is imported
+        TE_GUARD_ONLY + FOREIGN_PLUGIN + "import vime_gemma4_bridge\n",
     ],
-    ids=["plugin-first", "upstream-first", "plugin-module-first", "explicit-and-upstream-reloaded"],
+    ids=["plugin-first", "upstream-first", "plugin-module-first", "explicit-and-upstream-reloaded", "foreign-first"],
 )
 def test_autobridge_dispatches_to_the_plugin(prelude: str) -> None:
     assert dispatch_after(prelude) == OURS

@@ -18,6 +18,7 @@ What vime does at every weight sync with ``--megatron-to-hf-mode bridge`` (vllm-
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -123,3 +124,38 @@ def write_disk_update(chunk_stream: Iterable[list[tuple[str, torch.Tensor]]], hf
         if source.is_file() and not weights:
             shutil.copy2(source, out / source.name)
     return len(seen)
+
+
+def patch_auto_bridge_hf_config(bridge: Any) -> Any:
+    """vime's ``utils/megatron_bridge_utils.py::patch_auto_bridge_hf_config`` (as stored in the public index):
+    on the bridge's HF config, its ``config`` and ``text_config``, copy ``rope_parameters["rope_theta"]``
+    to ``rope_theta`` where that attribute is missing. (Gemma 4's ``rope_parameters`` are per layer type,
+    with no top-level ``rope_theta``: nothing is copied.)"""
+    hf_pretrained = getattr(bridge, "hf_pretrained", None)
+    configs: list[Any] = []
+    for config in (hf_pretrained, getattr(hf_pretrained, "config", None)):
+        for candidate in (config, getattr(config, "text_config", None)):
+            if candidate is not None and all(candidate is not seen for seen in configs):
+                configs.append(candidate)
+    for config in configs:
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+        if isinstance(rope, dict) and "rope_theta" in rope and not hasattr(config, "rope_theta"):
+            config.rope_theta = rope["rope_theta"]
+    return bridge
+
+
+@contextlib.contextmanager
+def patch_megatron_model(model: list[torch.nn.Module]) -> Iterator[None]:
+    """vime's ``patch_megatron_model``: give the first chunk's config ``share_embeddings_and_output_weights``
+    (from the model) while Megatron-Bridge runs, if it lacks it; removed afterwards."""
+    from megatron.core.utils import unwrap_model
+
+    chunk = unwrap_model(model)[0]
+    added = not hasattr(chunk.config, "share_embeddings_and_output_weights")
+    if added:
+        chunk.config.share_embeddings_and_output_weights = chunk.share_embeddings_and_output_weights
+    try:
+        yield
+    finally:
+        if added:
+            delattr(chunk.config, "share_embeddings_and_output_weights")

@@ -1,4 +1,4 @@
-"""Variants of three Megatron-Bridge mapping classes: two CPU-safe, one copy-free (docs/UPSTREAM.md 4, 26).
+"""Variants of Megatron-Bridge mapping classes: CPU-safe, parallelism stated, copy-free (docs/UPSTREAM.md 4, 26, 29).
 
 Megatron-Bridge's ``ReplicatedMapping.hf_to_megatron`` (0.6.2 and vime's fork alike) moves the HF
 tensor to ``torch.cuda.current_device()`` before the TP broadcast whenever TP > 1, which raises on
@@ -11,6 +11,14 @@ Seam: 0.6.2 keeps the process-group collection on each mapping (``_pg_collection
 to the delegate; the fork keeps none (its delegates read megatron-core's parallel state), so the
 delegate gets the collection only where the build has one.
 
+Parallelism stated, not guessed: ``AutoMapping`` picks column / row / replicated from the
+module's class name, and builds disagree on the rule (0.6.2 treats any class whose name contains
+``LayerNormColumnParallelLinear`` as a fused norm + column linear; vime's fork matches two exact
+TE class names only, so a CPU twin of that module falls to its "Norm in the name -> replicated"
+rule and the TP>1 load calls CUDA). The plugin's own modules therefore never go through that
+guess: their table rows use the explicit column / row / replicated mappings, and the two composite
+mappings whose TP delegate upstream detects (QKV, the experts' ``linear_fc2``) state it here.
+
 ``FusedGatedExpertMapping`` exports an expert's ``linear_fc1`` by splitting it into gate and up
 halves, gathering each over ETP and EP, and concatenating them again: two copies of every expert
 even when nothing is gathered. With the whole expert on this rank (ETP = EP = PP = 1) the
@@ -21,6 +29,8 @@ state, which every build keeps (the fork's mappings hold no process groups of th
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from megatron.bridge.models.conversion import param_mapping
@@ -54,8 +64,67 @@ class AutoMapping(param_mapping.AutoMapping):
         return mapping
 
 
+class StatedAutoMapping(AutoMapping):
+    """An ``AutoMapping`` whose parallelism the mapping table states, never guessed from a class name.
+
+    Still an ``AutoMapping`` for everything else upstream does with one (the registry's aliases
+    for separate-norm names, ``permute_dims``, its PP broadcast of the type on export).
+    """
+
+    parallelism: ClassVar[str]
+
+    def _detect_parallelism_type(self, module: nn.Module) -> str:
+        return self.parallelism
+
+
+class ColumnParallel(StatedAutoMapping):
+    """Split along the output dimension (dim 0) over TP: column-parallel linears, the vocab-parallel embedding."""
+
+    parallelism = "column"
+
+
+class RowParallel(StatedAutoMapping):
+    """Split along the input dimension (dim 1) over TP: row-parallel linears."""
+
+    parallelism = "row"
+
+
+class Replicated(StatedAutoMapping):
+    """The same tensor on every TP rank: norms, the router, scalars."""
+
+    parallelism = "replicated"
+
+
+class ColumnParallelQKVMapping(param_mapping.QKVMapping):
+    """Upstream ``QKVMapping`` whose TP delegate is column-parallel by statement (a fused QKV always is).
+
+    Upstream delegates to an ``AutoMapping`` that detects the parallelism from the module's class
+    name, which differs between builds (module docstring). HF layers without ``v_proj`` (k_eq_v) or
+    without k/v (KV sharing) are allowed: the bridge's hooks supply and drop those projections.
+    """
+
+    def __init__(self, megatron_param: str, q: str, k: str, v: str) -> None:
+        super().__init__(megatron_param, q=q, k=k, v=v)
+        self.allow_hf_name_mismatch = True
+        self._tp_mapping = ColumnParallel(megatron_param, megatron_param)
+
+
+class RowParallelFusedExpertMapping(param_mapping.FusedExpertMapping):
+    """Upstream ``FusedExpertMapping`` for a row-parallel expert weight (``linear_fc2``), stated, not detected."""
+
+    def _detect_parallelism_type(self, module: nn.Module) -> str:
+        return "row"
+
+
 class FusedGatedExpertMapping(param_mapping.FusedGatedExpertMapping):
-    """Upstream ``FusedGatedExpertMapping`` without the split and re-concatenation when nothing is gathered."""
+    """Upstream ``FusedGatedExpertMapping`` without the split and re-concatenation when nothing is gathered.
+
+    Column-parallel by statement: upstream converts through its gated delegate, but the class is
+    an ``AutoMapping`` and a build that fell back to detection must not guess.
+    """
+
+    def _detect_parallelism_type(self, module: nn.Module) -> str:
+        return "column"
 
     def megatron_to_hf(
         self, megatron_weights: torch.Tensor | None, megatron_module: nn.Module | None

@@ -58,7 +58,15 @@ def megatron_names_by_hf_name(conversion_tasks: Iterable[Any]) -> dict[str, str]
 def iter_hf_weights(
     bridge: Any, model: list[torch.nn.Module], *, cpu: bool = False, conversion_tasks: list | None = None
 ) -> Iterator[NamedWeight]:
-    """Stream ``(hf_name, tensor, megatron_name)`` of the language model; collective over all ranks."""
+    """Stream ``(hf_name, tensor, megatron_name)`` of the language model; collective over all ranks.
+
+    With ``conversion_tasks`` the caller's weights are the only ones read (vime's sleeping actor,
+    core/tied.py); without, the tasks are the bridge's and the tied copies are checked first.
+    """
+    if conversion_tasks is None:
+        from vime_gemma4_bridge.core.tied import check_tied_embeddings
+
+        check_tied_embeddings(model)
     tasks = conversion_tasks if conversion_tasks is not None else bridge.get_conversion_tasks(model)
     megatron_names = megatron_names_by_hf_name(tasks)
     seen: set[str] = set()

@@ -59,7 +59,12 @@ def plan_streamed_experts(
 
     from vime_gemma4_bridge.compat import mappings
 
-    plain = (param_mapping.FusedExpertMapping, param_mapping.FusedGatedExpertMapping, mappings.FusedGatedExpertMapping)
+    plain = (
+        param_mapping.FusedExpertMapping,
+        param_mapping.FusedGatedExpertMapping,
+        mappings.FusedGatedExpertMapping,
+        mappings.RowParallelFusedExpertMapping,
+    )
     groups: dict[str, dict[int, StreamedExpert]] = {}
     for task in tasks:
         mapping = task.mapping

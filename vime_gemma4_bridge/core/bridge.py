@@ -17,6 +17,7 @@ classes and conversion tasks). What is Gemma 4's own (each a gap listed in docs/
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -25,35 +26,26 @@ import torch
 import transformers
 from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
 from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge, register_bridge_implementation
-from megatron.bridge.models.conversion.param_mapping import (
-    AutoMapping as UpstreamAutoMapping,
-)
-from megatron.bridge.models.conversion.param_mapping import (
-    FusedExpertMapping,
-    GatedMLPMapping,
-    QKVMapping,
-)
+from megatron.bridge.models.conversion.param_mapping import GatedMLPMapping
 from megatron.bridge.models.conversion.utils import persistent_buffers
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from vime_gemma4_bridge.compat import seams
-from vime_gemma4_bridge.compat.mappings import AutoMapping, FusedGatedExpertMapping, ReplicatedMapping
+from vime_gemma4_bridge.compat.hf_save import complete_saves_from_source
+from vime_gemma4_bridge.compat.mappings import (
+    AutoMapping,
+    ColumnParallel,
+    ColumnParallelQKVMapping,
+    FusedGatedExpertMapping,
+    Replicated,
+    ReplicatedMapping,
+    RowParallel,
+    RowParallelFusedExpertMapping,
+)
 from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX
 from vime_gemma4_bridge.core.layer_pattern import FULL, SLIDING, pattern_from_layer_types
 from vime_gemma4_bridge.core.provider import Gemma4TextModelProvider
-from vime_gemma4_bridge.core.tied import check_tied_embeddings
-
-
-class Gemma4QKVMapping(QKVMapping):
-    """Fused QKV ↔ HF q/k/v, for HF layers without ``v_proj`` (k_eq_v) or without k/v (dense KV sharing).
-
-    The bridge's hooks supply the absent projections on import and drop them on export.
-    """
-
-    def __init__(self, megatron_param: str, q: str, k: str, v: str) -> None:
-        super().__init__(megatron_param, q=q, k=k, v=v)
-        self.allow_hf_name_mismatch = True
-
+from vime_gemma4_bridge.core.tied import broadcast_tied_embeddings, check_tied_embeddings
 
 MappingTable = tuple[tuple[type, str, str | dict[str, str]], ...]
 
@@ -61,14 +53,20 @@ MappingTable = tuple[tuple[type, str, str | dict[str, str]], ...]
 # The MoE model. Megatron names are relative to the GPTModel; HF names to the language-model
 # prefix; ``*`` is the layer index. A dict HF side fuses several HF tensors into one Megatron
 # tensor. Tied embeddings: ``lm_head`` / ``output_layer`` appear nowhere on purpose (core/tied.py).
+# Every row states its parallelism (column / row / replicated): the modules are the plugin's, and
+# builds disagree on how ``AutoMapping`` would guess it from their class names (compat/mappings.py).
 # ---------------------------------------------------------------------------------------------
 MOE_MAPPING_TABLE: MappingTable = (
-    (AutoMapping, "embedding.word_embeddings.weight", "embed_tokens.weight"),
-    (AutoMapping, "decoder.final_layernorm.weight", "norm.weight"),
+    (ColumnParallel, "embedding.word_embeddings.weight", "embed_tokens.weight"),
+    (Replicated, "decoder.final_layernorm.weight", "norm.weight"),
     # attention (sliding and full layers share names; shapes differ per layer type)
-    (AutoMapping, "decoder.layers.*.self_attention.linear_qkv.layer_norm_weight", "layers.*.input_layernorm.weight"),
     (
-        Gemma4QKVMapping,
+        Replicated,
+        "decoder.layers.*.self_attention.linear_qkv.layer_norm_weight",
+        "layers.*.input_layernorm.weight",
+    ),
+    (
+        ColumnParallelQKVMapping,
         "decoder.layers.*.self_attention.linear_qkv.weight",
         {
             "q": "layers.*.self_attn.q_proj.weight",
@@ -76,17 +74,17 @@ MOE_MAPPING_TABLE: MappingTable = (
             "v": "layers.*.self_attn.v_proj.weight",
         },
     ),
-    (AutoMapping, "decoder.layers.*.self_attention.q_layernorm.weight", "layers.*.self_attn.q_norm.weight"),
-    (AutoMapping, "decoder.layers.*.self_attention.k_layernorm.weight", "layers.*.self_attn.k_norm.weight"),
-    (AutoMapping, "decoder.layers.*.self_attention.linear_proj.weight", "layers.*.self_attn.o_proj.weight"),
+    (Replicated, "decoder.layers.*.self_attention.q_layernorm.weight", "layers.*.self_attn.q_norm.weight"),
+    (Replicated, "decoder.layers.*.self_attention.k_layernorm.weight", "layers.*.self_attn.k_norm.weight"),
+    (RowParallel, "decoder.layers.*.self_attention.linear_proj.weight", "layers.*.self_attn.o_proj.weight"),
     (
-        AutoMapping,
+        Replicated,
         "decoder.layers.*.self_attention.linear_proj.post_layernorm.weight",
         "layers.*.post_attention_layernorm.weight",
     ),
     # feed-forward: dense MLP ("shared expert") beside the routed experts, each with its norms
     (
-        ReplicatedMapping,
+        Replicated,
         "decoder.layers.*.pre_shared_expert_layernorm.weight",
         "layers.*.pre_feedforward_layernorm.weight",
     ),
@@ -95,30 +93,31 @@ MOE_MAPPING_TABLE: MappingTable = (
         "decoder.layers.*.mlp.shared_experts.linear_fc1.weight",
         {"gate": "layers.*.mlp.gate_proj.weight", "up": "layers.*.mlp.up_proj.weight"},
     ),
-    (AutoMapping, "decoder.layers.*.mlp.shared_experts.linear_fc2.weight", "layers.*.mlp.down_proj.weight"),
+    (RowParallel, "decoder.layers.*.mlp.shared_experts.linear_fc2.weight", "layers.*.mlp.down_proj.weight"),
     (
-        AutoMapping,
+        Replicated,
         "decoder.layers.*.mlp.post_shared_expert_layernorm.weight",
         "layers.*.post_feedforward_layernorm_1.weight",
     ),
-    (AutoMapping, "decoder.layers.*.pre_mlp_layernorm.weight", "layers.*.pre_feedforward_layernorm_2.weight"),
-    (AutoMapping, "decoder.layers.*.mlp.router.weight", "layers.*.router.proj.weight"),
-    (ReplicatedMapping, "decoder.layers.*.mlp.router.scale", "layers.*.router.scale"),
-    (ReplicatedMapping, "decoder.layers.*.mlp.router.per_expert_scale", "layers.*.router.per_expert_scale"),
+    (Replicated, "decoder.layers.*.pre_mlp_layernorm.weight", "layers.*.pre_feedforward_layernorm_2.weight"),
+    (Replicated, "decoder.layers.*.mlp.router.weight", "layers.*.router.proj.weight"),
+    (Replicated, "decoder.layers.*.mlp.router.scale", "layers.*.router.scale"),
+    (Replicated, "decoder.layers.*.mlp.router.per_expert_scale", "layers.*.router.per_expert_scale"),
     # routed experts: one Megatron tensor per expert <-> one stacked HF tensor [E, ...]
     (FusedGatedExpertMapping, "decoder.layers.*.mlp.experts.linear_fc1.weight*", "layers.*.experts.gate_up_proj"),
-    (FusedExpertMapping, "decoder.layers.*.mlp.experts.linear_fc2.weight*", "layers.*.experts.down_proj"),
+    (RowParallelFusedExpertMapping, "decoder.layers.*.mlp.experts.linear_fc2.weight*", "layers.*.experts.down_proj"),
     (
-        ReplicatedMapping,
+        Replicated,
         "decoder.layers.*.mlp.post_moe_layernorm.weight",
         "layers.*.post_feedforward_layernorm_2.weight",
     ),
-    (ReplicatedMapping, "decoder.layers.*.post_ffn_layernorm.weight", "layers.*.post_feedforward_layernorm.weight"),
-    (ReplicatedMapping, "decoder.layers.*.layer_scalar", "layers.*.layer_scalar"),
+    (Replicated, "decoder.layers.*.post_ffn_layernorm.weight", "layers.*.post_feedforward_layernorm.weight"),
+    (Replicated, "decoder.layers.*.layer_scalar", "layers.*.layer_scalar"),
 )
 
 
-# The dense model (E2B/E4B/31B style): Megatron-Bridge's dense Gemma 4 layout, same conventions.
+# The dense model (E2B/E4B/31B style): Megatron-Bridge's dense Gemma 4 layout, same conventions;
+# its modules are the build's, so ``AutoMapping`` detects their parallelism as the build does.
 DENSE_MAPPING_TABLE: MappingTable = (
     (AutoMapping, "embedding.word_embeddings.weight", "embed_tokens.weight"),
     (AutoMapping, "decoder.final_layernorm.weight", "norm.weight"),
@@ -136,7 +135,7 @@ DENSE_MAPPING_TABLE: MappingTable = (
     # attention: kv-shared layers have no k/v projections in HF
     (AutoMapping, "decoder.layers.*.input_layernorm.weight", "layers.*.input_layernorm.weight"),
     (
-        Gemma4QKVMapping,
+        ColumnParallelQKVMapping,
         "decoder.layers.*.self_attention.linear_qkv.weight",
         {
             "q": "layers.*.self_attn.q_proj.weight",
@@ -159,17 +158,6 @@ DENSE_MAPPING_TABLE: MappingTable = (
     (AutoMapping, "decoder.layers.*.post_mlp_layernorm.weight", "layers.*.post_feedforward_layernorm.weight"),
     (ReplicatedMapping, "decoder.layers.*.layer_scalar", "layers.*.layer_scalar"),
 )
-
-#: How Megatron-Bridge's ``AutoMapping`` splits each of our module classes (by class name, as it looks them up).
-MODULE_PARALLELISM = {
-    "Gemma4RMSNorm": "replicated",
-    "Gemma4TopKRouter": "replicated",
-    "Gemma4OutputLayer": "column",
-    "ColumnParallelGroupedLinear": "column",  # CPU twin of TEColumnParallelGroupedLinear
-    "RowParallelGroupedLinear": "row",  # CPU twin of TERowParallelGroupedLinear
-    "RowParallelLinearLayerNorm": "row",  # CPU twin of TERowParallelLinearLayerNorm
-    "TERowParallelLinearLayerNorm": "row",
-}
 
 
 def build_registry(table: Iterable[tuple[type, str, str | dict[str, str]]], hf_prefix: str) -> MegatronMappingRegistry:
@@ -313,10 +301,32 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
                 complete[key] = grouped_buffers.pop(key)["stack"]
         return complete or None
 
+    def _broadcast_shared_embeddings(self, megatron_model: Any) -> None:
+        """Tie the last stage's output layer to the embedding after a load, at any VPP (core/tied.py)."""
+        broadcast_tied_embeddings(megatron_model)
+
     def stream_weights_megatron_to_hf(self, megatron_model: Any, hf_pretrained: Any, *args: Any, **kwargs: Any):
-        """Upstream export, after proving the tied output layer still equals the embedding."""
-        check_tied_embeddings(megatron_model)
-        yield from super().stream_weights_megatron_to_hf(megatron_model, hf_pretrained, *args, **kwargs)
+        """Upstream export of the language model, after proving the tied output layer still equals the embedding.
+
+        With the caller's own conversion tasks (vime's weight sync) the export reads only their
+        weights, so the check, which reads the model's, is skipped (core/tied.py says why). A save
+        of the checkpoint (``save_hf_pretrained``) gets the vision / audio towers from the source
+        (compat/hf_save.py); this stream itself stays the language model.
+        """
+        arguments = inspect.signature(super().stream_weights_megatron_to_hf).bind(
+            megatron_model, hf_pretrained, *args, **kwargs
+        )
+        complete_saves_from_source(hf_pretrained, self._converts)
+        return self._checked_stream(arguments.arguments.get("conversion_tasks") is None, arguments)
+
+    def _checked_stream(self, check: bool, arguments: inspect.BoundArguments):
+        if check:
+            check_tied_embeddings(arguments.args[0])
+        yield from super().stream_weights_megatron_to_hf(*arguments.args, **arguments.kwargs)
+
+    def _converts(self, hf_name: str) -> bool:
+        """Whether ``hf_name`` is a language-model tensor, i.e. one this bridge converts."""
+        return hf_name.startswith(LANGUAGE_MODEL_PREFIX[self._architecture()])
 
 
 def one_stack_at_a_time(tasks: list) -> list:
@@ -473,8 +483,6 @@ def register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    for module_name, parallelism in MODULE_PARALLELISM.items():
-        UpstreamAutoMapping.register_module_type(module_name, parallelism)
     for bridge_cls, name in (
         (Gemma4CausalLMBridge, "Gemma4ForCausalLM"),
         (Gemma4ConditionalGenerationBridge, "Gemma4ForConditionalGeneration"),

@@ -6,8 +6,8 @@ megatron-core modules that keep exactly those parameter names, shapes, TP/EP par
 torch_dist keys, and compute what Hugging Face's Gemma 4 computes, so one checkpoint and one
 mapping table serve both hosts.
 
-Each twin is named after the TE class it stands in for, minus the ``TE`` prefix; the bridge
-registers each name with Megatron-Bridge's ``AutoMapping`` so it picks the same parallel mapping.
+Each twin is named after the TE class it stands in for, minus the ``TE`` prefix. The bridge's
+mapping table states each weight's parallelism, so no build has to guess it from these names.
 """
 
 from __future__ import annotations
@@ -238,6 +238,19 @@ class _GroupedLinear(nn.Module):
             set_tensor_model_parallel_attributes(weight, True, self.partition_dim, 1)
             weight.allreduce = not is_expert
             self.register_parameter(f"weight{k}", weight)
+        self._register_load_state_dict_pre_hook(self._merge_extra_states, with_module=False)
+
+    def _merge_extra_states(self, state_dict: dict, prefix: str, *args: object) -> None:
+        """Take the torch_dist layout's per-expert ``_extra_state1 .. _extra_state{K-1}`` in, as TE does.
+
+        A torch_dist checkpoint stores one ``_extra_state<k>`` per expert (``sharded_state_dict``),
+        while ``state_dict()`` has the single ``_extra_state``; TE's grouped linear merges the
+        others in a load pre-hook (megatron-core ``TEGroupedLinear.merge_extra_states``), so a strict
+        ``load_state_dict`` (Megatron-LM's ``load_checkpoint(..., strict=True)``) sees no unexpected
+        key. Without FP8 there is nothing to merge: the entries are only taken out.
+        """
+        for k in range(1, self.num_gemms):
+            state_dict.pop(f"{prefix}_extra_state{k}", None)
 
     def forward(self, x: Tensor, tokens_per_expert: list[int] | Tensor) -> tuple[Tensor, None]:
         splits = tokens_per_expert.tolist() if isinstance(tokens_per_expert, Tensor) else list(tokens_per_expert)

@@ -1,0 +1,376 @@
+"""vime's roads through Megatron-Bridge, each driven as vime drives it, on the release and the fork double.
+
+Each road is reproduced in our own words from the vime file and revision it cites (docs/VIME.md
+lists them with their flags); the fork's behaviours are ``tests/fork_seams.py``'s (docs/SEAMS.md).
+Tests are ordered by world size so each world is started once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+from fork_seams import fork_seams
+
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.io.hf import HFCheckpoint
+from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.verify.roundtrip import roundtrip_job
+
+BUILDS = ["release", "fork"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("roads")
+    return {
+        "vl": write_tiny_checkpoint(root / "vl", TinySpec(seed=5)),
+        "causal": write_tiny_checkpoint(root / "causal", TinySpec(causal_lm=True, seed=6)),
+    }
+
+
+def _build(name: str) -> contextlib.AbstractContextManager:
+    return fork_seams() if name == "fork" else contextlib.nullcontext()
+
+
+def assert_same_checkpoint(source: Path, written: Path) -> None:
+    """Every source tensor, bitwise, with its name, dtype and shape; nothing missing, nothing extra."""
+    a, b = HFCheckpoint(source), HFCheckpoint(written)
+    assert sorted(a.names()) == sorted(b.names())
+    left, right = a.load(a.names()), b.load(b.names())
+    different = [n for n in left if left[n].dtype != right[n].dtype or not torch.equal(left[n], right[n])]
+    assert different == [], different
+    assert (written / "config.json").is_file() and (written / "tokenizer_config.json").is_file()
+
+
+# ------------------------------------------------------------------------------------------------
+# The fork double is faithful where the plugin's roads meet the fork
+# ------------------------------------------------------------------------------------------------
+
+
+def test_fork_double_detects_parallelism_by_exact_class_name() -> None:
+    """The fork's rule sends a differently named fused norm + linear to "Norm in the name -> replicated"."""
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+    import vime_gemma4_bridge  # noqa: F401  (the TE guard)
+
+    class LayerNormColumnParallelLinear(torch.nn.Module):  # the CPU twin's class name, nothing else
+        pass
+
+    mapping = AutoMapping("decoder.layers.0.self_attention.linear_qkv.weight", "model.layers.0.qkv.weight")
+    assert mapping._detect_parallelism_type(LayerNormColumnParallelLinear()) == "column"
+    with fork_seams():
+        assert mapping._detect_parallelism_type(LayerNormColumnParallelLinear()) == "replicated"
+    assert mapping._detect_parallelism_type(LayerNormColumnParallelLinear()) == "column"
+
+
+def test_plugin_rows_state_their_parallelism() -> None:
+    """No plugin-owned mapping asks a build to guess: each row (and each composite's TP delegate) is stated."""
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping
+
+    import vime_gemma4_bridge  # noqa: F401
+    from vime_gemma4_bridge.compat.mappings import StatedAutoMapping
+    from vime_gemma4_bridge.core.bridge import MOE_MAPPING_TABLE, build_registry
+
+    ours = {megatron_name for _, megatron_name, _ in MOE_MAPPING_TABLE}  # not the registry's own aliases
+    for mapping in (m for m in build_registry(MOE_MAPPING_TABLE, "model.").mappings if m.megatron_param in ours):
+        delegates = [mapping, *(v for v in vars(mapping).values() if isinstance(v, AutoMapping))]
+        for delegate in delegates:
+            if isinstance(delegate, AutoMapping) and not isinstance(delegate, StatedAutoMapping | GatedMLPMapping):
+                stated = type(delegate)._detect_parallelism_type is not AutoMapping._detect_parallelism_type
+                assert stated, f"{mapping.megatron_param}: {type(delegate).__name__} would detect its parallelism"
+
+
+# ------------------------------------------------------------------------------------------------
+# vime's HF save (hf_checkpoint_saver.save_hf_model_bridge_to_path @3c06ae51): save_hf_pretrained
+# ------------------------------------------------------------------------------------------------
+
+
+def _save_hf_job(hf_checkpoint: str, topology: Topology, build: str, out: str) -> list[str]:
+    """vime's save: ``AutoBridge.from_hf_pretrained(..., trust_remote_code=True)`` with vime's HF-config
+    patch, then on every rank ``bridge.save_hf_pretrained(model, path)`` under ``patch_megatron_model``
+    and a barrier (the load before it as ``checkpoint._load_checkpoint_hf`` does it, under the same patch).
+    Returns the live stream's names after it."""
+    import torch.distributed as dist
+    from megatron.bridge import AutoBridge
+    from vime_flow import patch_auto_bridge_hf_config, patch_megatron_model
+
+    import vime_gemma4_bridge
+
+    with _build(build):
+        vime_gemma4_bridge.init_model_parallel(topology)
+        bridge = patch_auto_bridge_hf_config(AutoBridge.from_hf_pretrained(hf_checkpoint, trust_remote_code=True))
+        model = vime_gemma4_bridge.build_model(bridge, topology)
+        with patch_megatron_model(model):
+            bridge.load_hf_weights(model)
+        with patch_megatron_model(model):
+            bridge.save_hf_pretrained(model, out)
+        dist.barrier()
+        return sorted(name for name, *_ in bridge.export_hf_weights(model, cpu=True, show_progress=False))
+
+
+def assert_saved(results: list, source: Path, written: Path) -> None:
+    """The save is the source, bitwise; the live stream after it is still the language model only."""
+    assert_same_checkpoint(source, written)
+    language_model = sorted(HFCheckpoint(source).language_model_names())
+    assert all(names == language_model for names in results)
+
+
+@pytest.mark.parametrize("checkpoint", ["vl", "causal"])
+@pytest.mark.parametrize("build", BUILDS)
+def test_save_hf_pretrained_one_rank(local_world, checkpoints, tmp_path: Path, build: str, checkpoint: str) -> None:
+    out = tmp_path / "saved"
+    results = local_world(1).run(_save_hf_job, str(checkpoints[checkpoint]), Topology(), build, str(out))
+    assert_saved(results, checkpoints[checkpoint], out)
+
+
+# ------------------------------------------------------------------------------------------------
+# The fork's conversion code at TP >= 2 and VPP (2 ranks)
+# ------------------------------------------------------------------------------------------------
+
+
+def _fork_roundtrip_job(hf_checkpoint: str, topology: Topology) -> dict:
+    with fork_seams():
+        return roundtrip_job(hf_checkpoint, topology, None, False, 10**9)
+
+
+def _fork_tied_broadcast_job(hf_checkpoint: str) -> str:
+    """The fork's own ``_broadcast_shared_embeddings`` at PP2·VPP2 fails; the plugin's bridge owns the step."""
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+    from megatron.core import parallel_state
+
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+
+    with fork_seams():
+        topology = Topology(pp=2, vpp=2)
+        init_model_parallel(topology)
+        bridge = convert.open_bridge(hf_checkpoint)
+        model = convert.build_model(bridge, topology, initialize=False)
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            return "first stage"  # it would wait in the broadcast for the last stage, which raised
+        try:
+            MegatronModelBridge._broadcast_shared_embeddings(bridge._model_bridge, model)
+        except AssertionError as error:
+            return str(error)
+        return "no error"
+
+
+@pytest.mark.parametrize("topology", [Topology(tp=2, ep=2), Topology(pp=2, vpp=2), Topology(tp=2)], ids=str)
+def test_fork_roundtrip_two_ranks(local_world, checkpoints, topology: Topology) -> None:
+    result = local_world(2).run(_fork_roundtrip_job, str(checkpoints["vl"]), topology)[0]
+    assert result["identical"], result["report"]
+    assert (
+        result["total"]["count"]
+        == result["total"]["equal"]
+        == len(HFCheckpoint(checkpoints["vl"]).language_model_names())
+    )
+
+
+def test_fork_double_tied_broadcast_fails_at_vpp(local_world, checkpoints) -> None:
+    results = local_world(2).run(_fork_tied_broadcast_job, str(checkpoints["vl"]))
+    assert results == ["first stage", "Output layer not found"], results
+
+
+# ------------------------------------------------------------------------------------------------
+# Megatron-LM's --load / --ref-load (megatron.training.checkpointing.load_checkpoint, strict=True)
+# ------------------------------------------------------------------------------------------------
+
+
+def _megatron_lm_load_job(hf_checkpoint: str, load_dir: str, topology: Topology) -> dict:
+    """Megatron-LM's own loader on a freshly built (random) model; then the export must be HF1, bitwise."""
+    import sys
+    from unittest import mock
+
+    from megatron.training import arguments, checkpointing, global_vars
+    from megatron.training.checkpointing import load_checkpoint
+
+    from vime_gemma4_bridge.compat.cuda import cpu_checkpointing
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+
+    init_model_parallel(topology)
+    bridge = convert.open_bridge(hf_checkpoint)
+    model = convert.build_model(bridge, topology)  # random weights: the load must replace every one
+    argv, sys.argv = sys.argv, ["megatron-lm", "--load", load_dir, "--ckpt-format", "torch_dist"]
+    try:
+        args = arguments.parse_args(ignore_unknown_args=True)
+    finally:
+        sys.argv = argv
+    args.no_load_optim = args.no_load_rng = True
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = topology.tp, topology.pp
+    args.expert_model_parallel_size, args.expert_tensor_parallel_size = topology.ep, topology.etp
+    args.virtual_pipeline_model_parallel_size = topology.vpp
+    global_vars.set_args(args)
+    calls: list[tuple[bool, str]] = []
+    for chunk in model:
+        original = chunk.load_state_dict
+
+        def spy(state_dict, strict=True, *rest, _original=original, **kwargs):
+            try:
+                result = _original(state_dict, strict, *rest, **kwargs)
+            except Exception as error:
+                calls.append((strict, f"{type(error).__name__}: {str(error)[:300]}"))
+                raise
+            calls.append((strict, "ok"))
+            return result
+
+        chunk.load_state_dict = spy
+    release_read_metadata = checkpointing.read_metadata
+
+    def read_metadata_on_host(tracker_filename):
+        # Megatron-LM agrees on the iteration with an all-reduce of a tensor made on device="cuda";
+        # the same agreement over gloo (the rest of the loader is Megatron-LM's, unchanged).
+        with mock.patch.object(torch.distributed, "is_initialized", return_value=False):
+            iteration, release = release_read_metadata(tracker_filename)
+        agreed = torch.tensor([iteration])
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        return int(agreed.item()), release
+
+    with mock.patch.object(checkpointing, "read_metadata", read_metadata_on_host), cpu_checkpointing():
+        iteration = load_checkpoint(model, None, None, strict=True)
+    exported = convert.collect_on_rank0(bridge, model)
+    result = {"iteration": iteration, "calls": calls}
+    if convert.is_rank0():
+        source = HFCheckpoint(hf_checkpoint)
+        reference = source.load(source.language_model_names())
+        result["different"] = sorted(
+            name for name in reference if name not in exported or not torch.equal(reference[name], exported[name])
+        )
+        result["extra"] = sorted(set(exported) - set(reference))
+    return result
+
+
+@pytest.mark.parametrize("topology", [Topology(ep=2), Topology(pp=2, vpp=2)], ids=str)
+def test_megatron_lm_loads_an_import_strictly(local_world, checkpoints, tmp_path: Path, topology: Topology) -> None:
+    from vime_gemma4_bridge.convert.torch_dist_jobs import import_job
+
+    world = local_world(2)
+    save = tmp_path / "torch_dist"
+    world.run(import_job, str(checkpoints["vl"]), str(save), str(tmp_path / ".partial"), topology)
+    results = world.run(_megatron_lm_load_job, str(checkpoints["vl"]), str(save), topology)
+    for result in results:
+        assert result["calls"] and all(call == (True, "ok") for call in result["calls"]), result["calls"]
+    assert results[0]["different"] == [] and results[0]["extra"] == []
+
+
+# ------------------------------------------------------------------------------------------------
+# vime's HF load into wrapped chunks (checkpoint._load_checkpoint_hf: load_hf_weights(ddp_model)) and its
+# sparse-seed iterator (hf_weight_iterator_sparse_bridge.py @9413317f: export without tasks, two fields)
+# ------------------------------------------------------------------------------------------------
+
+
+def _wrapped_load_sparse_export_job(hf_checkpoint: str, topology: Topology) -> dict | None:
+    from megatron.bridge import AutoBridge
+    from megatron.core.transformer.module import Float16Module
+
+    import vime_gemma4_bridge
+    from vime_gemma4_bridge.convert.model import is_rank0
+
+    with fork_seams():
+        vime_gemma4_bridge.init_model_parallel(topology)
+        bridge = AutoBridge.from_hf_pretrained(hf_checkpoint, trust_remote_code=True)
+        model = vime_gemma4_bridge.build_model(bridge, topology)  # random weights
+        wrapped = [Float16Module(chunk.config, chunk) for chunk in model]  # what training hands over
+        bridge.load_hf_weights(wrapped)
+        exported = {}
+        for item in bridge.export_hf_weights(wrapped, cpu=False, show_progress=False):
+            name, tensor = item[:2]
+            assert name not in exported, f"{name} twice"
+            exported[name] = tensor.detach().cpu().clone() if is_rank0() else None
+    if not is_rank0():
+        return None
+    source = HFCheckpoint(hf_checkpoint)
+    reference = source.load(source.language_model_names())
+    return {
+        "different": sorted(n for n in reference if n not in exported or not torch.equal(reference[n], exported[n])),
+        "extra": sorted(set(exported) - set(reference)),
+    }
+
+
+def test_wrapped_load_and_sparse_export_pp2_vpp2(local_world, checkpoints) -> None:
+    result = local_world(2).run(_wrapped_load_sparse_export_job, str(checkpoints["vl"]), Topology(pp=2, vpp=2))[0]
+    assert result == {"different": [], "extra": []}
+
+
+# ------------------------------------------------------------------------------------------------
+# save_hf_pretrained at TP2·PP2·EP2 (4 ranks)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpoint", ["vl", "causal"])
+@pytest.mark.parametrize("build", BUILDS)
+def test_save_hf_pretrained_tp2_pp2_ep2(local_world, checkpoints, tmp_path: Path, build: str, checkpoint: str) -> None:
+    out = tmp_path / "saved"
+    topology = Topology(tp=2, pp=2, ep=2)
+    results = local_world(4).run(_save_hf_job, str(checkpoints[checkpoint]), topology, build, str(out))
+    assert_saved(results, checkpoints[checkpoint], out)
+
+
+# ------------------------------------------------------------------------------------------------
+# 8 ranks: the reported topology under the fork, and the sleeping colocated actor
+# ------------------------------------------------------------------------------------------------
+
+
+def test_fork_roundtrip_reported_topology(local_world, checkpoints) -> None:
+    result = local_world(8).run(_fork_roundtrip_job, str(checkpoints["vl"]), Topology(tp=2, pp=2, ep=4))[0]
+    assert result["identical"], result["report"]
+
+
+def test_wrapped_load_and_sparse_export_reported_topology(local_world, checkpoints) -> None:
+    topology = Topology(tp=2, pp=2, ep=4)
+    result = local_world(8).run(_wrapped_load_sparse_export_job, str(checkpoints["vl"]), topology)[0]
+    assert result == {"different": [], "extra": []}
+
+
+def _sleeping_sync_job(hf_checkpoint: str, topology: Topology, dump: str, buffer_size: int) -> dict | None:
+    """vime's colocated sync: the weight dict holds CPU backups; the live parameters cannot be read."""
+    import torch.distributed as dist
+    from megatron.bridge import AutoBridge
+    from vime_flow import LazyTasks, chunks, weight_dict, write_disk_update
+
+    import vime_gemma4_bridge
+
+    with fork_seams():
+        vime_gemma4_bridge.init_model_parallel(topology)
+        bridge = AutoBridge.from_hf_pretrained(hf_checkpoint, trust_remote_code=True)
+        model = vime_gemma4_bridge.build_model(bridge, topology)
+        bridge.load_hf_weights(model)
+        backups = {name: tensor.detach().clone() for name, tensor in weight_dict(model).items()}
+        tasks = bridge.get_conversion_tasks(model)
+        for chunk in model:  # the actor sleeps: its memory is paused
+            for param in chunk.parameters():
+                param.data = torch.empty(0, dtype=param.dtype)
+
+        import dataclasses
+
+        def replace(task):
+            if task is None or task.param_weight is None:
+                return task
+            return dataclasses.replace(task, param_weight=backups[f"vp_stages.{task.vp_stage}.{task.param_name}"])
+
+        def named():
+            for hf_name, weight, _ in bridge.export_hf_weights(
+                model, cpu=False, conversion_tasks=LazyTasks(replace, tasks)
+            ):
+                yield hf_name, weight
+
+        stream = chunks(named(), buffer_size)
+        if dist.get_rank() != 0:
+            for _ in stream:
+                pass
+            return None
+        return {"tensors": write_disk_update(stream, hf_checkpoint, Path(dump))}
+
+
+def test_sleeping_actor_sync_is_bitwise(local_world, checkpoints, tmp_path: Path) -> None:
+    from test_live import check_dump
+
+    dump = tmp_path / "weight_v000002"
+    result = local_world(8).run(
+        _sleeping_sync_job, str(checkpoints["vl"]), Topology(tp=2, pp=2, ep=4), str(dump), 60_000
+    )
+    assert result[0]["tensors"] == len(HFCheckpoint(checkpoints["vl"]).language_model_names())
+    check_dump(dump, checkpoints["vl"], 60_000)
