@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The TE/CUDA path, on a machine with one GPU and Transformer Engine (vime's image): the TE build of the
+# model, bitwise round trips and fp32 parity at TP1 and at EP/TP splits that fit one GPU (ranks share it),
+# vime's weight sync and HF save. Prints one line per check and a summary; well under 8 minutes.
+# Run from the repository root:  bash scripts/gpu_check.sh   (record what it prints in docs/GPU.md)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+CLI="$PY -m vime_gemma4_bridge.cli"
+OUT=$(mktemp -d)
+trap 'rm -rf "$OUT"' EXIT
+failures=0
+
+check() {  # check NAME COMMAND...: run it under a 150 s cap, print PASS/FAIL with its last line
+  local name=$1; shift
+  local start=$SECONDS log="$OUT/$name.log"
+  if timeout 150 "$@" >"$log" 2>&1; then
+    echo "PASS  $name ($((SECONDS - start)) s): $(tail -n 1 "$log")"
+  else
+    failures=$((failures + 1))
+    echo "FAIL  $name ($((SECONDS - start)) s): $(tail -n 3 "$log" | tr '\n' ' ')"
+  fi
+}
+
+echo "== $(date -u +%FT%TZ) $(hostname)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no nvidia-smi"
+$PY - <<'PY'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+try:
+    import transformer_engine
+    print("transformer_engine", transformer_engine.__version__)
+except Exception as error:  # the checks below then run the CPU twins on the GPU
+    print("transformer_engine: not importable:", error)
+PY
+check env $CLI env
+check tiny-vl $CLI tiny "$OUT/vl"
+check tiny-causal $CLI tiny "$OUT/causal" --causal-lm
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+for ckpt in vl causal; do
+  check "roundtrip-tp1-$ckpt" $CLI roundtrip --hf-checkpoint "$OUT/$ckpt"
+  check "roundtrip-ep2-$ckpt" $CLI roundtrip --hf-checkpoint "$OUT/$ckpt" --ep 2 --nproc 2
+  check "roundtrip-tp2-ep2-$ckpt" $CLI roundtrip --hf-checkpoint "$OUT/$ckpt" --tp 2 --ep 2 --nproc 2
+done
+check parity-tp1 $CLI parity --hf-checkpoint "$OUT/vl" --dtype float32
+check parity-ep2 $CLI parity --hf-checkpoint "$OUT/vl" --dtype float32 --ep 2 --nproc 2
+check export-live-pp2 $CLI export-live --hf-checkpoint "$OUT/vl" --pp 2 --ep 2 --nproc 4 --buffer-size 60000 \
+  --dump "$OUT/dump"
+check verify-update $CLI verify-update --hf-checkpoint "$OUT/vl" --dump "$OUT/dump"
+echo "== gpu_check: $failures failed"
+exit $((failures > 0))
