@@ -390,3 +390,46 @@ def test_sigkill_leaves_a_hidden_partial_that_the_next_run_cleans(good, tmp_path
     assert left and all(name.startswith(".out.partial") for name in left), left
     assert run_cli("import", "--hf-checkpoint", str(good), "--save", str(tmp_path / "out")).returncode == 0
     assert leftovers(tmp_path, "out") == ["out"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Hostile files: nothing in a checkpoint executes
+# ------------------------------------------------------------------------------------------------
+
+
+class _RunsCode:
+    """A pickle that runs a shell command when loaded (what a hostile ``.metadata`` holds)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("topology", [[], ["--ep", "2", "--nproc", "2"]], ids=["default", "ep2"])
+def test_hostile_metadata_never_runs(good, torch_dist, tmp_path, capsys, topology) -> None:
+    import pickle
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(torch_dist, ckpt)
+    marker = tmp_path / "marker"
+    (ckpt / "iter_0000000" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    out = tmp_path / "out"
+    argv = ["export", "--load", str(ckpt), "--hf-checkpoint", str(good), "--output", str(out), *topology]
+    lines = refused(capsys, argv)
+    assert "/iter_0000000/.metadata refused: its pickle names posix.system" in lines[-1], lines[-1]
+    assert not marker.exists(), "the hostile pickle ran"
+    assert not leftovers(tmp_path, "out")
+
+
+def test_metadata_allow_list_reads_a_real_checkpoint(torch_dist) -> None:
+    """The allow-list admits what megatron-core writes: the result equals PyTorch's own (plain pickle) read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
+
+    ours = read_checkpoint_metadata(torch_dist / "iter_0000000")
+    theirs = FileSystemReader(str(torch_dist / "iter_0000000")).read_metadata()
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    assert ours.storage_data == theirs.storage_data

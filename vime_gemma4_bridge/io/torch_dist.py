@@ -149,15 +149,9 @@ class TorchDistCheckpoint:
         it; a missing or truncated ``.distcp`` file is found here, in one line naming the file and a
         tensor it should hold, before any rank starts.
         """
-        from torch.distributed.checkpoint import FileSystemReader
+        from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
 
-        try:
-            metadata = FileSystemReader(str(self.iteration_dir)).read_metadata()
-        except Exception as error:  # noqa: BLE001 (pickle, EOF or OS errors of a damaged .metadata)
-            raise ConversionError(
-                f"{self.iteration_dir / '.metadata'} is unreadable ({type(error).__name__}: {error}); "
-                "the checkpoint is damaged: re-create it with vime-gemma4 import"
-            ) from None
+        metadata = read_checkpoint_metadata(self.iteration_dir)  # refuses a .metadata that could run code
         needed: dict[str, tuple[int, str]] = {}
         for index, info in metadata.storage_data.items():
             end = info.offset + info.length

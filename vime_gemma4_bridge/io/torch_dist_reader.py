@@ -134,15 +134,16 @@ class TorchDistReader:
 
     Only exact chunks: a request is served when a chunk with that key, global offset and shape was
     saved (:meth:`has`); assembling a region from chunks of another sharding is megatron-core's job.
-    The index is PyTorch's own checkpoint metadata (``FileSystemReader.read_metadata``).
+    The index is PyTorch's own checkpoint metadata, read through an allow-list (:mod:`..io.safe_pickle`).
     """
 
     def __init__(self, iteration_dir: str | os.PathLike) -> None:
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
+
         self.path = Path(iteration_dir)
-        metadata = FileSystemReader(str(self.path)).read_metadata()
+        metadata = read_checkpoint_metadata(self.path)
         self._tensors = {
             key: meta for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)
         }
