@@ -16,8 +16,8 @@ module's class name, and builds disagree on the rule (0.6.2 treats any class who
 ``LayerNormColumnParallelLinear`` as a fused norm + column linear; vime's fork matches two exact
 TE class names only, so a CPU twin of that module falls to its "Norm in the name -> replicated"
 rule and the TP>1 load calls CUDA). The plugin's own modules therefore never go through that
-guess: their table rows use the explicit column / row / replicated mappings, and the two composite
-mappings whose TP delegate upstream detects (QKV, the experts' ``linear_fc2``) state it here.
+guess: every mapping class of their table states it (:class:`StatedParallelism`), the composite
+ones included (QKV's TP delegate, the experts' ``linear_fc1`` / ``linear_fc2``).
 
 ``FusedGatedExpertMapping`` exports an expert's ``linear_fc1`` by splitting it into gate and up
 halves, gathering each over ETP and EP, and concatenating them again: two copies of every expert
@@ -64,17 +64,21 @@ class AutoMapping(param_mapping.AutoMapping):
         return mapping
 
 
-class StatedAutoMapping(AutoMapping):
-    """An ``AutoMapping`` whose parallelism the mapping table states, never guessed from a class name.
-
-    Still an ``AutoMapping`` for everything else upstream does with one (the registry's aliases
-    for separate-norm names, ``permute_dims``, its PP broadcast of the type on export).
-    """
+class StatedParallelism:
+    """Mixin for an ``AutoMapping`` (or subclass): its parallelism is the class's ``parallelism``, never detected."""
 
     parallelism: ClassVar[str]
 
     def _detect_parallelism_type(self, module: nn.Module) -> str:
         return self.parallelism
+
+
+class StatedAutoMapping(StatedParallelism, AutoMapping):
+    """An ``AutoMapping`` whose parallelism the mapping table states, never guessed from a class name.
+
+    Still an ``AutoMapping`` for everything else upstream does with one (the registry's aliases
+    for separate-norm names, ``permute_dims``, its PP broadcast of the type on export).
+    """
 
 
 class ColumnParallel(StatedAutoMapping):
@@ -109,22 +113,20 @@ class ColumnParallelQKVMapping(param_mapping.QKVMapping):
         self._tp_mapping = ColumnParallel(megatron_param, megatron_param)
 
 
-class RowParallelFusedExpertMapping(param_mapping.FusedExpertMapping):
+class RowParallelFusedExpertMapping(StatedParallelism, param_mapping.FusedExpertMapping):
     """Upstream ``FusedExpertMapping`` for a row-parallel expert weight (``linear_fc2``), stated, not detected."""
 
-    def _detect_parallelism_type(self, module: nn.Module) -> str:
-        return "row"
+    parallelism = "row"
 
 
-class FusedGatedExpertMapping(param_mapping.FusedGatedExpertMapping):
+class FusedGatedExpertMapping(StatedParallelism, param_mapping.FusedGatedExpertMapping):
     """Upstream ``FusedGatedExpertMapping`` without the split and re-concatenation when nothing is gathered.
 
     Column-parallel by statement: upstream converts through its gated delegate, but the class is
     an ``AutoMapping`` and a build that fell back to detection must not guess.
     """
 
-    def _detect_parallelism_type(self, module: nn.Module) -> str:
-        return "column"
+    parallelism = "column"
 
     def megatron_to_hf(
         self, megatron_weights: torch.Tensor | None, megatron_module: nn.Module | None

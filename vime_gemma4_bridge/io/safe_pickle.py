@@ -17,8 +17,8 @@ writer's ``_StorageInfo``, ``torch.Size``, dtypes, the layout lookup ``torch.ser
 
 from __future__ import annotations
 
-import collections
 import enum
+import importlib
 import io
 import pickle
 from pathlib import Path
@@ -30,10 +30,12 @@ from vime_gemma4_bridge.io.torch_dist_layout import ConversionError
 
 _CLASS_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
 _NAMED = {
-    ("torch", "Size"): torch.Size,
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
 }
 
 
@@ -42,25 +44,18 @@ class UnsafeCheckpoint(ConversionError):
 
 
 def _allowed(module: str, name: str) -> Any:
+    """The object a pickle may name as ``module.name``, or ``None``."""
+    if (module, name) not in _NAMED and module != "torch" and module not in _CLASS_MODULES:
+        return None  # checked before importing: a hostile pickle's module is never imported
+    found = getattr(importlib.import_module(module), name, None)
     if (module, name) in _NAMED:
-        return _NAMED[(module, name)]
-    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-        return getattr(torch, name)
-    if (module, name) == ("torch.serialization", "_get_layout"):
-        from torch.serialization import _get_layout
-
-        return _get_layout
-    if (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-        return _StorageInfo
-    if module in _CLASS_MODULES:
-        import importlib
-
-        found = getattr(importlib.import_module(module), name, None)
-        if isinstance(found, type) and (hasattr(found, "__dataclass_fields__") or issubclass(found, enum.Enum)):
-            return found
-    return None
+        return found
+    if module == "torch":
+        return found if isinstance(found, torch.dtype) else None
+    metadata_class = isinstance(found, type) and (
+        hasattr(found, "__dataclass_fields__") or issubclass(found, enum.Enum)
+    )
+    return found if metadata_class else None
 
 
 class _MetadataUnpickler(pickle.Unpickler):
