@@ -239,6 +239,56 @@ def test_outputs_never_overlap_inputs(good, torch_dist, tmp_path, capsys, argv) 
 
 
 # ------------------------------------------------------------------------------------------------
+# config.json: each problem names its field, before any rank starts
+# ------------------------------------------------------------------------------------------------
+
+_ABSENT = object()
+
+#: case: (text_config field, value (``_ABSENT``: removed), what the one line says after the path)
+CONFIG_CASES = {
+    "wrong-type": ("num_hidden_layers", "eight", "text_config.num_hidden_layers is 'eight', not an integer"),
+    "float-size": ("num_attention_heads", 4.0, "text_config.num_attention_heads is 4.0, not an integer"),
+    "bool-size": ("vocab_size", True, "text_config.vocab_size is True, not an integer"),
+    "zero-size": ("hidden_size", 0, "text_config.hidden_size is 0; it must be at least 1"),
+    "negative-size": ("num_experts", -4, "text_config.num_experts is -4; it must be at least 1"),
+    "missing-moe-field": ("num_experts", _ABSENT, "text_config.num_experts is missing (enable_moe_block is true)"),
+    "top-k-above-experts": ("top_k_experts", 99, "text_config.top_k_experts is 99, more than num_experts (16)"),
+    "layer-types-length": (
+        "layer_types",
+        ["full_attention"],
+        "text_config.layer_types has 1 entries for 4 layers (num_hidden_layers)",
+    ),
+    "unknown-layer-type": (
+        "layer_types",
+        ["sliding_attention", "full_attention", "sliding_attention", "global"],
+        "text_config.layer_types holds 'global'; each entry is one of ['sliding_attention', 'full_attention']",
+    ),
+    "kv-shared-all-layers": ("num_kv_shared_layers", 4, "text_config.num_kv_shared_layers is 4; it must be below 4"),
+    "kv-heads-not-dividing": (
+        "num_key_value_heads",
+        3,
+        "text_config.num_key_value_heads is 3, which does not divide num_attention_heads (16)",
+    ),
+    "transformers-type-check": ("rms_norm_eps", "tiny", "Field 'rms_norm_eps' expected float, got str"),
+}
+
+
+@pytest.mark.parametrize("field, value, expected", CONFIG_CASES.values(), ids=CONFIG_CASES.keys())
+def test_config_problems_name_the_field(good, tmp_path, capsys, field, value, expected) -> None:
+    copy = tmp_path / "hf"
+    shutil.copytree(good, copy)
+    config = json.loads((copy / "config.json").read_text())
+    if value is _ABSENT:
+        del config["text_config"][field]
+    else:
+        config["text_config"][field] = value
+    (copy / "config.json").write_text(json.dumps(config))
+    lines = refused(capsys, ["roundtrip", "--hf-checkpoint", str(copy)])
+    assert lines[-1].startswith(f"vime-gemma4 roundtrip: error: {copy / 'config.json'}") and expected in lines[-1]
+    assert len(lines) == 1, lines
+
+
+# ------------------------------------------------------------------------------------------------
 # Inputs the commands refused already (kept refused)
 # ------------------------------------------------------------------------------------------------
 
@@ -381,6 +431,64 @@ def test_interrupt_removes_partial_output(good, tmp_path, sig, status) -> None:
     assert leftovers(tmp_path, "out") == [] and digest(good) == before
 
 
+def test_signal_after_the_commit_is_no_failure(good, tmp_path, capsys, monkeypatch) -> None:
+    """SIGTERM right after ``import`` put its output in place: exit 0, the output complete and kept."""
+    from vime_gemma4_bridge.convert import torch_dist_jobs
+    from vime_gemma4_bridge.io.commit import commit_directory
+
+    def commit_then_signal(partial, out, **kwargs):
+        committed = commit_directory(partial, out, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here
+        return committed
+
+    monkeypatch.setattr(torch_dist_jobs, "commit_directory", commit_then_signal)
+    out = tmp_path / "out"
+    assert cli.main(["import", "--hf-checkpoint", str(good), "--save", str(out)]) == 0
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == f"vime-gemma4 import: interrupted after {out} was complete; it is kept", last
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "0\n"
+    assert leftovers(tmp_path, "out") == ["out"]
+    assert signal.getsignal(signal.SIGTERM) is not None and "errors" not in str(signal.getsignal(signal.SIGTERM))
+
+
+# ------------------------------------------------------------------------------------------------
+# Concurrent runs to one output
+# ------------------------------------------------------------------------------------------------
+
+
+def test_only_partials_of_dead_writers_are_removed(good, tmp_path, capsys) -> None:
+    """A run writing the same output (its process alive) keeps its partial; a killed run's goes."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    alive, dead = tmp_path / f".out.partial-{os.getpid()}-00", tmp_path / f".out.partial-{int(ended.stdout)}-00"
+    alive.mkdir()
+    dead.mkdir()
+    assert cli.main(["import", "--hf-checkpoint", str(good), "--save", str(tmp_path / "out")]) == 0
+    assert alive.is_dir() and not dead.exists()
+
+
+def test_an_output_that_appears_while_writing_is_kept(good, tmp_path, capsys, monkeypatch) -> None:
+    """Without --force, a run never replaces the output another run committed while it was writing."""
+    from vime_gemma4_bridge.convert import torch_dist_jobs
+
+    out = tmp_path / "out"
+    count = torch_dist_jobs._directory_stats
+
+    def another_run_commits_first(path: Path) -> tuple[int, int]:
+        out.mkdir()
+        (out / "theirs.txt").write_text("theirs")
+        return count(path)
+
+    monkeypatch.setattr(torch_dist_jobs, "_directory_stats", another_run_commits_first)
+    assert cli.main(["import", "--hf-checkpoint", str(good), "--save", str(out)]) == 1
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == (
+        f"vime-gemma4 import: error: {out} appeared while this run was writing it (another run?); it was kept "
+        "and this run's output discarded: pass --force to replace it"
+    ), last
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"] and leftovers(tmp_path, "out") == ["out"]
+
+
 def test_sigkill_leaves_a_hidden_partial_that_the_next_run_cleans(good, tmp_path) -> None:
     proc = _start_import(good, tmp_path / "out")
     _wait_for_partial(proc, tmp_path, "out")
@@ -407,20 +515,123 @@ class _RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.mark.parametrize("topology", [[], ["--ep", "2", "--nproc", "2"]], ids=["default", "ep2"])
-def test_hostile_metadata_never_runs(good, torch_dist, tmp_path, capsys, topology) -> None:
+def _plant_item(iteration: Path, key: str, payload: object) -> None:
+    """Point the stored item of ``key`` at a ``torch.save`` of ``payload`` appended to its ``.distcp`` file."""
+    import dataclasses
+    import io
     import pickle
 
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(iteration)).read_metadata()
+    index, info = next((index, info) for index, info in metadata.storage_data.items() if index.fqn.split("/")[0] == key)
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = iteration / info.relative_path
+    offset = data.stat().st_size
+    with open(data, "ab") as handle:
+        handle.write(buffer.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(buffer.getvalue()))
+    (iteration / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _hostile_metadata(iteration: Path, marker: Path) -> str:
+    import pickle
+
+    (iteration / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    return "/iter_0000000/.metadata refused: its pickle names posix.system"
+
+
+def _hostile_byte_item(iteration: Path, marker: Path) -> str:
+    """megatron-core's common state: PyTorch's load planner unpickles it with ``weights_only=False``."""
+    _plant_item(iteration, "common_state", [_RunsCode(marker)])
+    return ".distcp (item common_state/shard_0_1) refused: its pickle names posix.system"
+
+
+def _hostile_tensor_item(iteration: Path, marker: Path) -> str:
+    _plant_item(iteration, "embedding.word_embeddings.weight", _RunsCode(marker))
+    return ".distcp (item embedding.word_embeddings.weight) refused: its pickle names posix.system"
+
+
+def _hostile_common_pt(iteration: Path, marker: Path) -> str:
+    """A legacy ``common.pt``, which megatron-core's ``load_common_state_dict`` prefers to the common state."""
+    import torch
+
+    torch.save({"iteration": 0, "checkpoint_version": 3.0, "args": _RunsCode(marker)}, iteration / "common.pt")
+    return "/iter_0000000/common.pt refused: its pickle names posix.system"
+
+
+def _hostile_nested_archive(iteration: Path, marker: Path) -> str:
+    """An archive nested as bytes (``torch.storage._load_from_bytes``, as legacy TE extra state holds)."""
+    import io
+
+    import torch
+
+    inner = io.BytesIO()
+    torch.save(_RunsCode(marker), inner)
+    _plant_item(iteration, "common_state", [_LoadsBytes(inner.getvalue())])
+    return ".distcp (item common_state/shard_0_1) refused: its pickle names posix.system"
+
+
+def _hostile_run_config(iteration: Path, marker: Path) -> str:
+    config = iteration / "run_config.yaml"
+    config.write_text(config.read_text() + f"hostile: !!python/object/apply:os.system ['touch {marker}']\n")
+    return "run_config.yaml refused: it names the YAML tag 'tag:yaml.org,2002:python/object/apply:os.system'"
+
+
+class _LoadsBytes:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self):
+        import torch
+
+        return torch.storage._load_from_bytes, (self.data,)
+
+
+HOSTILE = {
+    "metadata": _hostile_metadata,
+    "byte-item": _hostile_byte_item,
+    "tensor-item": _hostile_tensor_item,
+    "common-pt": _hostile_common_pt,
+    "nested-archive": _hostile_nested_archive,
+    "run-config": _hostile_run_config,
+}
+
+
+@pytest.mark.parametrize("plant", HOSTILE.values(), ids=HOSTILE.keys())
+@pytest.mark.parametrize("topology", [[], ["--ep", "2", "--nproc", "2"]], ids=["default", "ep2"])
+def test_hostile_checkpoint_files_never_run(good, torch_dist, tmp_path, capsys, topology, plant) -> None:
+    """Each pickle (and the YAML) megatron-core or PyTorch would load is refused, exit 2; the code never ran."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(torch_dist, ckpt)
     marker = tmp_path / "marker"
-    (ckpt / "iter_0000000" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    expected = plant(ckpt / "iter_0000000", marker)
     out = tmp_path / "out"
     argv = ["export", "--load", str(ckpt), "--hf-checkpoint", str(good), "--output", str(out), *topology]
     lines = refused(capsys, argv)
-    assert "/iter_0000000/.metadata refused: its pickle names posix.system" in lines[-1], lines[-1]
+    assert expected in lines[-1] and len(lines) == 1, lines
     assert not marker.exists(), "the hostile pickle ran"
     assert not leftovers(tmp_path, "out")
+
+
+def test_planted_items_are_what_megatron_core_would_load(torch_dist, tmp_path) -> None:
+    """The planted byte item is reachable: PyTorch's own scan names the hostile global in the bytes it reads."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    iteration = tmp_path / "ckpt" / "iter_0000000"
+    shutil.copytree(torch_dist, tmp_path / "ckpt")
+    _hostile_byte_item(iteration, tmp_path / "marker")
+    metadata = FileSystemReader(str(iteration)).read_metadata()
+    info = next(info for index, info in metadata.storage_data.items() if index.fqn.startswith("common_state/"))
+    with open(iteration / info.relative_path, "rb") as handle:
+        handle.seek(info.offset)
+        item = io.BytesIO(handle.read(info.length))
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(item) == ["posix.system"]
 
 
 def test_metadata_allow_list_reads_a_real_checkpoint(torch_dist) -> None:
@@ -433,3 +644,17 @@ def test_metadata_allow_list_reads_a_real_checkpoint(torch_dist) -> None:
     theirs = FileSystemReader(str(torch_dist / "iter_0000000")).read_metadata()
     assert ours.state_dict_metadata == theirs.state_dict_metadata
     assert ours.storage_data == theirs.storage_data
+
+
+def test_allow_list_covers_what_megatron_core_writes(tmp_path) -> None:
+    """Every class megatron-core's checkpoints may hold (its ``SAFE_GLOBALS``) passes; one more name does not."""
+    import torch
+    from megatron.core.safe_globals import SAFE_GLOBALS
+
+    from vime_gemma4_bridge.io.safe_pickle import UnsafeCheckpoint, check_archive
+
+    torch.save(list(SAFE_GLOBALS), tmp_path / "common.pt")  # each class or function pickled by its name
+    check_archive(tmp_path / "common.pt")
+    torch.save([*SAFE_GLOBALS, shutil.rmtree], tmp_path / "hostile.pt")
+    with pytest.raises(UnsafeCheckpoint, match=r"hostile\.pt refused: its pickle names shutil\.rmtree"):
+        check_archive(tmp_path / "hostile.pt")

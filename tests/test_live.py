@@ -285,6 +285,15 @@ def _refusals_job(hf_checkpoint: str) -> dict:
     return {"errors": errors, "classes": classes}
 
 
+def test_vime_weight_sync_of_a_padded_vocabulary(local_world, tmp_path: Path) -> None:
+    """A vocabulary TP2 does not divide (1001): Megatron pads it, vime's stream carries exactly the HF rows."""
+    hf = write_tiny_checkpoint(tmp_path / "hf", TinySpec(vocab_size=1001, seed=5))
+    dump = tmp_path / "weight_v000001"
+    result = local_world(8).run(_vime_sync_job, str(hf), Topology(tp=2, pp=2, ep=4, etp=1), str(dump), 60_000)[0]
+    assert result["tensors"] == len(HFCheckpoint(hf).language_model_names())
+    check_dump(dump, hf, 60_000)
+
+
 def test_conversion_tasks_refuse_buffers_and_unmapped_parameters(local_world, hf_vl: Path) -> None:
     result = local_world(8).run(_refusals_job, str(hf_vl))[0]
     assert [c for c in result["classes"] if c.startswith("megatron.bridge.models")] == [], "an upstream model class"

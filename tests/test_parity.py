@@ -28,12 +28,17 @@ CHECKPOINTS = {
     "moe-vl": TinySpec(dtype="float32"),
     "moe-causal": TinySpec(causal_lm=True, dtype="float32"),
     "dense-vl": TinySpec(moe=False, dtype="float32"),
+    # Added tokens: a vocabulary TP2 does not divide (Megatron pads it to 1002 rows there).
+    "moe-vocab-1001": TinySpec(vocab_size=1001, dtype="float32", seed=5),
+    "dense-vocab-1001": TinySpec(moe=False, vocab_size=1001, dtype="float32", seed=6),
 }
 #: max |Δlogit| accepted in float32: the command's default bounds.
 FP32_BOUND = {
     "moe-vl": FLOAT32_MAX_ABS_TOLERANCE["moe"],
     "moe-causal": FLOAT32_MAX_ABS_TOLERANCE["moe"],
     "dense-vl": FLOAT32_MAX_ABS_TOLERANCE["dense"],
+    "moe-vocab-1001": FLOAT32_MAX_ABS_TOLERANCE["moe"],
+    "dense-vocab-1001": FLOAT32_MAX_ABS_TOLERANCE["dense"],
 }
 #: 3 x sliding_window (8) of the tiny checkpoints: every sliding layer drops context.
 SEQ_LEN, BATCH = 24, 2
@@ -83,7 +88,7 @@ def assert_fp32_parity(result: dict, bound: float) -> None:
     assert 0.0 < result["max_abs"] <= bound, figures  # 0.0 would mean the comparison compared nothing
     assert result["mean_abs"] <= bound / 5, figures
     assert result["batch"] == BATCH and result["seq_len"] == SEQ_LEN
-    assert result["vocab_size"] == 300 <= result["padded_vocab_size"]
+    assert result["vocab_size"] in (300, 1001) and result["vocab_size"] <= result["padded_vocab_size"]
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
@@ -160,6 +165,8 @@ MULTI_RANK_CASES = [
     ("dense-vl", Topology(tp=2)),  # Megatron-Bridge's dense provider is PP=1: TP only
     ("moe-causal", Topology(tp=2, ep=2, etp=2)),
     ("moe-vl", Topology(tp=2, pp=2, vpp=2)),
+    ("moe-vocab-1001", Topology(tp=2, pp=2, ep=2)),  # the padding rows are not compared: only the real ones
+    ("dense-vocab-1001", Topology(tp=2)),
 ]
 
 
@@ -168,3 +175,5 @@ def test_fp32_parity_multi_rank(local_world, checkpoints: dict[str, Path], name:
     result = run_parity(local_world(WORLD), checkpoints[name], topology)
     assert result["topology"] == str(topology)
     assert_fp32_parity(result, FP32_BOUND[name])
+    if name.endswith("vocab-1001"):
+        assert result["padded_vocab_size"] == 1002

@@ -22,6 +22,9 @@ CHECKPOINTS = {
     "moe-vl": TinySpec(),
     "moe-causal": TinySpec(causal_lm=True),
     "dense-vl": TinySpec(moe=False),
+    # A vocabulary TP does not divide (added tokens): padded in Megatron, exactly the HF rows back.
+    "moe-vocab-1001": TinySpec(vocab_size=1001, seed=5),
+    "dense-vocab-1001": TinySpec(moe=False, vocab_size=1001, seed=6),
 }
 
 # (world size, topology): every topology of the issue, on the smallest world it fits.
@@ -47,7 +50,9 @@ DENSE_MATRIX = [(2, Topology()), (2, Topology(tp=2)), (4, Topology(tp=4))]
 
 CASES = sorted(
     [(world, topo, name) for world, topo in MOE_MATRIX for name in ("moe-vl", "moe-causal")]
-    + [(world, topo, "dense-vl") for world, topo in DENSE_MATRIX],
+    + [(world, topo, "dense-vl") for world, topo in DENSE_MATRIX]
+    + [(2, Topology(tp=2), "moe-vocab-1001"), (4, Topology(tp=2, pp=2), "moe-vocab-1001")]
+    + [(2, Topology(tp=2), "dense-vocab-1001"), (4, Topology(tp=4), "dense-vocab-1001")],
     key=lambda case: case[0],
 )
 

@@ -26,7 +26,13 @@ import pytest
 
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.convert.torch_dist_jobs import export_job, import_job
-from vime_gemma4_bridge.io.torch_dist import ITERATION_DIR, RUN_CONFIG_NAME, SIDECAR_NAME, TRACKER_NAME
+from vime_gemma4_bridge.io.torch_dist import (
+    ITERATION_DIR,
+    RUN_CONFIG_NAME,
+    SIDECAR_NAME,
+    TRACKER_NAME,
+    TorchDistCheckpoint,
+)
 from vime_gemma4_bridge.runtime.world import RankError
 from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
 
@@ -66,6 +72,9 @@ CHECKPOINTS = {
         seed=11,
     ),
     "dense-vl": TinySpec(moe=False),
+    # Added tokens: a vocabulary TP2 does not divide (padded to 1002 rows at TP2, 1001 at TP1).
+    "moe-vocab-1001": TinySpec(vocab_size=1001, seed=5),
+    "dense-vocab-1001": TinySpec(moe=False, vocab_size=1001, seed=6),
 }
 
 
@@ -466,6 +475,16 @@ def test_torch_dist_common_state_is_what_megatron_load_reads(imported_8) -> None
     assert "decoder.layers.self_attention_sliding.linear_qkv.weight" in tensors
 
 
+def test_pickle_allow_list_admits_checkpoints_of_every_topology(imported_8) -> None:
+    """What megatron-core writes at TP2·PP2·EP4, EP8 and TP2·PP2 (fp32) passes the pre-flight's allow-list.
+
+    The list is also checked by every export in the suite (the pre-flight of ``export`` runs it);
+    these three are the topologies and dtypes whose byte items and metadata differ most.
+    """
+    for result in imported_8.values():
+        TorchDistCheckpoint(result["save"]).check_files()
+
+
 def test_back_tp2pp2_import_exports_at_ep8(local_world, imported_8, tmp_path: Path) -> None:
     c = imported_8["C"]
     out = tmp_path / "C-ep8"
@@ -549,11 +568,14 @@ def test_model_rebuilt_from_run_config_loads_bitwise(local_world, imported_8) ->
         ("moe-vl", Topology(pp=2, vpp=2), Topology(tp=2)),
         ("causal-fp32-8E", Topology(ep=2), Topology(pp=2, vpp=2)),
         ("dense-vl", Topology(tp=2), Topology()),
+        ("moe-vocab-1001", Topology(tp=2), Topology()),
+        ("moe-vocab-1001", Topology(), Topology(tp=2)),
+        ("dense-vocab-1001", Topology(tp=2), Topology()),
     ],
     ids=str,
 )
 def test_more_pairs_on_2_ranks(local_world, checkpoints, tmp_path, checkpoint, saved_at, loaded_at) -> None:
-    """VPP (model0/model1 chunks) both ways, fp32, and the dense model."""
+    """VPP (model0/model1 chunks) both ways, fp32, the dense model, a padded vocabulary both ways."""
     world = local_world(2)
     hf, save, out = checkpoints[checkpoint], tmp_path / "torch_dist", tmp_path / "hf"
     world.run(import_job, str(hf), str(save), str(tmp_path / ".partial"), saved_at)

@@ -13,7 +13,14 @@ import sys
 import traceback
 
 #: Our refusal types: their message is the whole story, the exception name adds nothing.
-_REFUSALS = ("CheckpointError", "ConversionError", "TopologyError", "PreflightError", "UnsupportedCheckpoint")
+_REFUSALS = (
+    "CheckpointError",
+    "ConversionError",
+    "TopologyError",
+    "PreflightError",
+    "UnsupportedCheckpoint",
+    "OutputTaken",
+)
 
 
 class Terminated(KeyboardInterrupt):
@@ -83,22 +90,32 @@ def run_command(prog: str, args: argparse.Namespace) -> int:
     """Run a parsed command: quiet unless ``--verbose``; a failure is one line unless ``--debug``.
 
     SIGINT and SIGTERM unwind the command (its partial output is removed on the way) and exit
-    130 / 143; the rank processes of a local world end with it.
+    130 / 143; the rank processes of a local world end with it. A signal that arrives once the
+    output was committed (``args.output_arg`` names the command's output argument) is no failure:
+    the output is complete and stays, the command exits 0 and says so.
     """
     from vime_gemma4_bridge.compat import quiet
+    from vime_gemma4_bridge.io.commit import committed_since, identity
     from vime_gemma4_bridge.runtime.world import VERBOSE_ENV
 
     if getattr(args, "verbose", False):
         os.environ[VERBOSE_ENV] = "1"  # rank processes keep their noise too
     else:
         quiet.install()
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    output = getattr(args, getattr(args, "output_arg", None) or "", None)
+    before = identity(output) if output is not None else None
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt as interrupt:  # the local ranks are gone (LocalWorld kills them first)
-        print(f"{prog}: interrupted; nothing was written", file=sys.stderr)
+        if output is not None and committed_since(output, before):
+            print(f"{prog}: interrupted after {output} was complete; it is kept", file=sys.stderr)
+            return 0
+        print(f"{prog}: interrupted; {output or 'nothing'} was not written", file=sys.stderr)
         return interrupted_status(interrupt)
     except SystemExit:
         raise
     except BaseException as error:  # every failure ends as one line and exit 1 (PyTorch's checkpoint errors too)
         return report(prog, error, debug=getattr(args, "debug", False))
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,7 @@ def build_import_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--hf-checkpoint", required=True, metavar="HF", help="source Gemma 4 HF checkpoint")
     parser.add_argument("--save", required=True, metavar="DIR", help="torch_dist checkpoint directory to create")
     _add_common(parser)
-    parser.set_defaults(func=run_import, prog=parser.prog)
+    parser.set_defaults(func=run_import, prog=parser.prog, output_arg="save")
     return parser
 
 
@@ -73,7 +72,7 @@ def build_export_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard of OUT (default 5GB)"
     )
     _add_common(parser)
-    parser.set_defaults(func=run_export, prog=parser.prog)
+    parser.set_defaults(func=run_export, prog=parser.prog, output_arg="output")
     return parser
 
 
@@ -138,15 +137,14 @@ def run_import(args: argparse.Namespace) -> int:
         return errors.refuse(args.prog, error)
     partial = partial_path(out)
     try:
-        results = launch(args.nproc, import_job, str(source.path), str(out), str(partial), topology)
-    except KeyboardInterrupt as interrupt:  # SIGINT or SIGTERM; the local ranks are gone (LocalWorld kills them)
+        results = launch(args.nproc, import_job, str(source.path), str(out), str(partial), topology, replace=args.force)
+        _report(args, results[0])
+    except KeyboardInterrupt:  # SIGINT or SIGTERM: errors.run_command says whether the output was complete
         shutil.rmtree(partial, ignore_errors=True)
-        print(f"{args.prog}: interrupted; {out} was not written", file=sys.stderr)
-        return errors.interrupted_status(interrupt)
+        raise
     except BaseException as error:  # noqa: BLE001 (a rank failed; the world is gone)
         shutil.rmtree(partial, ignore_errors=True)
         return errors.report(args.prog, error, debug=args.debug)
-    _report(args, results[0])
     return 0
 
 
@@ -173,12 +171,11 @@ def run_export(args: argparse.Namespace) -> int:
     try:
         job_args = (str(checkpoint.path), str(source.path), str(out), topology, args.force, max_shard_size)
         results = launch(args.nproc, export_job, *job_args)
-    except KeyboardInterrupt as interrupt:
-        print(f"{args.prog}: interrupted; {out} was not written", file=sys.stderr)
-        return errors.interrupted_status(interrupt)
+        _report(args, results[0])
+    except KeyboardInterrupt:  # errors.run_command says whether the output was complete
+        raise
     except BaseException as error:  # a rank failed; the world is gone
         return errors.report(args.prog, error, debug=args.debug)
-    _report(args, results[0])
     return 0
 
 

@@ -43,7 +43,7 @@ def add_export_live_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dump", required=True, metavar="DIR", help="directory to write the chunk files into")
     parser.add_argument("--force", action="store_true", help="replace --dump if it exists")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.set_defaults(func=run_export_live)
+    parser.set_defaults(func=run_export_live, output_arg="dump")
 
 
 def run_export_live(args: argparse.Namespace) -> int:

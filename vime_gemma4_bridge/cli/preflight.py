@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vime_gemma4_bridge.convert.topology import Topology, validate_model_topology
+from vime_gemma4_bridge.core.hf_layout import text_config_dict
 from vime_gemma4_bridge.io.hf import SAFETENSORS_DTYPES, CheckpointError, HFCheckpoint
 from vime_gemma4_bridge.runtime.launch import requested_world_size
 
@@ -31,6 +32,106 @@ MAX_LISTED = 10
 
 class PreflightError(CheckpointError):
     """The checkpoint's tensors do not match its config.json; the message has one line per problem."""
+
+
+class ConfigError(CheckpointError):
+    """A config.json field has the wrong type, is missing, or has a value no Gemma 4 model can have."""
+
+
+#: Text-config fields that size the model: integers ≥ 1 wherever they are set.
+_SIZES = (
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "sliding_window",
+    "global_head_dim",
+    "num_global_key_value_heads",
+    "num_experts",
+    "top_k_experts",
+    "moe_intermediate_size",
+)
+#: Integers ≥ 0 (0: the feature is off).
+_COUNTS = ("num_kv_shared_layers", "hidden_size_per_layer_input", "vocab_size_per_layer_input")
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def check_config(checkpoint: HFCheckpoint) -> dict[str, Any]:
+    """The config as transformers reads it (defaults filled in), or :class:`ConfigError` naming the field.
+
+    In this order: the raw ``config.json`` values of the size fields are integers; transformers'
+    own (strict) config class accepts the file; the values can build a model (sizes ≥ 1, MoE
+    fields present, ``top_k_experts`` ≤ ``num_experts``, one known ``layer_types`` entry per
+    layer, KV-shared layers fewer than the layers, query heads a multiple of KV heads). A field
+    missing from ``config.json`` is transformers' default, as it is for every reader of the file.
+    """
+    import transformers
+
+    where = "text_config." if "text_config" in checkpoint.config else ""
+    raw = text_config_dict(checkpoint.config)
+
+    def refuse(field: str, problem: str) -> ConfigError:
+        return ConfigError(f"{checkpoint.path / 'config.json'}: {where}{field} {problem}; fix config.json")
+
+    if raw.get("model_type", "gemma4_text") not in ("gemma4_text", "gemma4"):  # transformers would read it as Gemma 4
+        raise ConfigError(
+            f"{checkpoint.path / 'config.json'}: {where}model_type {raw['model_type']!r} is not Gemma 4 (gemma4_text)"
+        )
+    for field in (*_SIZES, *_COUNTS):
+        value = raw.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise refuse(field, f"is {value!r}, not an integer")
+    if "layer_types" in raw:  # before transformers, which rewrites the last entry
+        _check_layer_types(raw["layer_types"], raw.get("num_hidden_layers"), refuse)
+    try:
+        config = transformers.AutoConfig.from_pretrained(checkpoint.path)
+    except Exception as error:  # noqa: BLE001 (transformers' strict validation raises its own types)
+        why = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+        raise ConfigError(
+            f"{checkpoint.path / 'config.json'} is refused by transformers ({why}); fix config.json"
+        ) from None
+    text = (config.text_config if hasattr(config, "text_config") else config).to_dict()
+    moe = bool(text.get("enable_moe_block"))
+    for field in _SIZES:
+        value = text.get(field)
+        required = field not in ("global_head_dim", "num_global_key_value_heads") and (
+            moe or field not in ("num_experts", "top_k_experts", "moe_intermediate_size")
+        )
+        if value is None and required:
+            raise refuse(field, "is missing" + (" (enable_moe_block is true)" if moe else ""))
+        if value is not None and value < 1:
+            raise refuse(field, f"is {value}; it must be at least 1")
+    for field in _COUNTS:
+        if (text.get(field) or 0) < 0:
+            raise refuse(field, f"is {text[field]}; it must be 0 or more")
+    layers = text["num_hidden_layers"]
+    if moe and text["top_k_experts"] > text["num_experts"]:
+        raise refuse("top_k_experts", f"is {text['top_k_experts']}, more than num_experts ({text['num_experts']})")
+    if (text.get("num_kv_shared_layers") or 0) >= layers:
+        raise refuse("num_kv_shared_layers", f"is {text['num_kv_shared_layers']}; it must be below {layers} layers")
+    if text["num_attention_heads"] % text["num_key_value_heads"]:
+        raise refuse(
+            "num_key_value_heads",
+            f"is {text['num_key_value_heads']}, which does not divide num_attention_heads "
+            f"({text['num_attention_heads']})",
+        )
+    _check_layer_types(text.get("layer_types"), layers, refuse)
+    return config.to_dict()
+
+
+def _check_layer_types(types: Any, layers: Any, refuse: Callable[[str, str], ConfigError]) -> None:
+    """One known attention type per layer (``layers``: the layer count, when known)."""
+    if not isinstance(types, list):
+        raise refuse("layer_types", f"is {types!r}, not a list of {list(_LAYER_TYPES)}")
+    if layers is not None and len(types) != layers:
+        raise refuse("layer_types", f"has {len(types)} entries for {layers} layers (num_hidden_layers)")
+    unknown = [t for t in types if t not in _LAYER_TYPES]
+    if unknown:
+        raise refuse("layer_types", f"holds {unknown[0]!r}; each entry is one of {list(_LAYER_TYPES)}")
 
 
 def expected_language_model(checkpoint: HFCheckpoint) -> dict[str, tuple[list[int], str]]:
@@ -98,14 +199,15 @@ def command_inputs[T](
 
     In this order (the first problem is the one reported): the topology of ``--tp --pp --vpp --ep
     --etp`` fits ``world_size`` (default: ``--nproc``, else torchrun's ``WORLD_SIZE``, else 1);
-    ``--hf-checkpoint`` opens (config, index, shards); the model splits over the topology;
+    ``--hf-checkpoint`` opens (config, index, shards); its config names every field a model needs
+    with a valid value (:func:`check_config`); the model splits over the topology;
     ``checks(topology, source)``, the command's own (outputs, sizes, ids), whose result is returned;
     last the tensors against config.json (:func:`check_language_model`), the slowest check.
     """
     topology = Topology.from_args(args)
     topology.validate(requested_world_size(args.nproc) if world_size is None else world_size)
     source = HFCheckpoint(args.hf_checkpoint)
-    validate_model_topology(source.config, topology)
+    validate_model_topology(check_config(source), topology)
     extra = checks(topology, source) if checks is not None else None
     check_language_model(source)
     return topology, source, extra

@@ -38,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard of --output (default 5GB)"
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, output_arg="output")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -94,7 +94,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     out = p.add_argument_group("output")
     out.add_argument("--seed", type=int, default=d.seed, help="seed of every tensor draw")
     out.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="stored dtype")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, output_arg="out")
     return p
 
 

@@ -117,7 +117,7 @@ def export_live_job(hf_checkpoint: str, topology: Topology, dump: str, buffer_si
     writer = convert.is_rank0()
     out = Path(dump)
     result: dict[str, Any] | None = None
-    with atomic_directory(out) if writer else contextlib.nullcontext() as tmp:
+    with atomic_directory(out, replace=force) if writer else contextlib.nullcontext() as tmp:
         files: list[tuple[str, list[str], int]] = []
         start = time.perf_counter()
         chunks = chunk_by_bytes(iter_hf_weights(bridge, model, cpu=True), buffer_size)

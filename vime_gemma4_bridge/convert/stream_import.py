@@ -53,6 +53,7 @@ from vime_gemma4_bridge.convert.streaming import (
     stored_shape,
 )
 from vime_gemma4_bridge.io.hf import HFCheckpoint, TensorLocation, release_pages
+from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
 from vime_gemma4_bridge.io.torch_dist import write_failure
 from vime_gemma4_bridge.io.torch_dist_layout import ConversionError, sharded_state_dict
 
@@ -100,9 +101,7 @@ class ImportPlan:
                 written = [*stream.written, *(item for future in futures for item in future.result())]
             for i in range(len(parts) + 1):
                 os.replace(directory.parent / f".{_FILE_PREFIX}{i}.distcp", directory / f"{_FILE_PREFIX}{i}.distcp")
-            from torch.distributed.checkpoint import FileSystemReader
-
-            metadata = FileSystemReader(str(directory)).read_metadata()
+            metadata = read_checkpoint_metadata(directory)
             _index(metadata, written)
             staged = directory / ".metadata.vime-gemma4"
             with open(staged, "wb") as handle:

@@ -73,12 +73,14 @@ def _rate(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
 
 
-def import_job(hf_checkpoint: str, save: str, partial: str, topology: Topology) -> dict[str, Any]:
+def import_job(
+    hf_checkpoint: str, save: str, partial: str, topology: Topology, *, replace: bool = True
+) -> dict[str, Any]:
     """HF → Megatron at ``topology`` → torch_dist at ``save``. Runs on every rank; returns rank 0's report.
 
     The checkpoint is written into ``partial`` (rank 0's name wins under torchrun) and committed to
-    ``save`` only when complete (:func:`~vime_gemma4_bridge.io.commit.commit_directory`); on failure
-    rank 0 removes ``partial``.
+    ``save`` only when complete (:func:`~vime_gemma4_bridge.io.commit.commit_directory`; without
+    ``replace`` a ``save`` another run wrote meanwhile is kept); on failure rank 0 removes ``partial``.
     """
     import torch.distributed as dist
     from megatron.core.utils import get_model_config
@@ -136,7 +138,7 @@ def import_job(hf_checkpoint: str, save: str, partial: str, topology: Topology) 
                 (work / ITERATION_DIR / SIDECAR_NAME).write_text(json.dumps(sidecar, indent=1) + "\n")
                 (work / TRACKER_NAME).write_text(f"{ITERATION}\n")  # last: marks the checkpoint complete
                 files, nbytes = _directory_stats(work)
-                commit_directory(work, out)
+                commit_directory(work, out, replace=replace)
                 tensor_bytes = sum(_nbytes(shape, dtype) for shape, dtype in signature.values())
                 moved = phases.seconds["load_hf"] + phases.seconds["save"]
                 result = {

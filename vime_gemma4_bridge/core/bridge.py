@@ -160,6 +160,14 @@ DENSE_MAPPING_TABLE: MappingTable = (
 )
 
 
+#: HF tensors with one row per vocabulary entry (padded on the Megatron side) -> their text-config size.
+VOCAB_TENSORS = {
+    "embed_tokens.weight": "vocab_size",
+    "lm_head.weight": "vocab_size",
+    "embed_tokens_per_layer.weight": "vocab_size_per_layer_input",
+}
+
+
 def build_registry(table: Iterable[tuple[type, str, str | dict[str, str]]], hf_prefix: str) -> MegatronMappingRegistry:
     """Instantiate a mapping table for one HF class (prefix)."""
     mappings = []
@@ -195,6 +203,12 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
         self.hf_config = hf_pretrained.config
         text = self._text_config()
         provider = dense_provider(text) if self._is_dense() else moe_provider(text)
+        # Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x TP (megatron-core
+        # splits it evenly over TP). The divisor is Megatron-Bridge's own rule (the largest power of 2
+        # up to 128 that divides the vocabulary: no padding at TP1, none for Gemma 4's 262,144); import
+        # pads with zero rows (upstream's ColumnParallelMapping), export drops them (below).
+        provider.make_vocab_size_divisible_by = self.make_vocab_size_divisible_by(text.vocab_size)
+        provider.should_pad_vocab = True
         # Keep the checkpoint's dtype: a bf16 copy of an fp32 checkpoint cannot round-trip bitwise.
         dtype = _config_dtype(text) or _config_dtype(self.hf_config) or torch.float32
         provider.params_dtype = dtype
@@ -220,7 +234,11 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
         return one_stack_at_a_time(tasks)
 
     def maybe_modify_loaded_hf_weight(self, hf_param: str | dict[str, str], hf_state_dict: Any) -> Any:
-        """Supply the projections HF leaves out: V = K on k_eq_v full layers, zero K/V on KV-shared layers."""
+        """Supply what HF leaves out: V = K on k_eq_v full layers, zero K/V on KV-shared layers, and
+        the PLE table's padding rows (upstream's mapping pads only the embedding and output layer).
+        """
+        if isinstance(hf_param, str) and hf_param.endswith("embed_tokens_per_layer.weight"):
+            return self._padded_per_layer_table(super().maybe_modify_loaded_hf_weight(hf_param, hf_state_dict))
         if not isinstance(hf_param, dict) or set(hf_param) != {"q", "k", "v"}:
             return super().maybe_modify_loaded_hf_weight(hf_param, hf_state_dict)
         absent = {role for role, name in hf_param.items() if self._absent_in_hf(name)}
@@ -236,8 +254,35 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
         return weights
 
     def maybe_modify_converted_hf_weight(self, task: Any, converted_weights_dict: dict, hf_state_dict: Any) -> dict:
-        """Drop the projections that exist only on the Megatron side (see :meth:`maybe_modify_loaded_hf_weight`)."""
-        return {name: tensor for name, tensor in converted_weights_dict.items() if not self._absent_in_hf(name)}
+        """Drop what exists only on the Megatron side: the k/v projections HF leaves out
+        (:meth:`maybe_modify_loaded_hf_weight`) and the vocabulary's padding rows (:meth:`provider_bridge`).
+        """
+        return {
+            name: self._unpadded(name, tensor)
+            for name, tensor in converted_weights_dict.items()
+            if not self._absent_in_hf(name)
+        }
+
+    def _unpadded(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` without the vocabulary padding rows, if it is a vocabulary table."""
+        field = next((f for suffix, f in VOCAB_TENSORS.items() if hf_name.endswith(suffix)), None)
+        rows = getattr(self._text_config(), field, None) if field else None
+        return tensor[:rows] if rows and tensor.shape[0] > rows else tensor
+
+    def _padded_per_layer_table(self, table: torch.Tensor) -> torch.Tensor:
+        """The HF PLE table with zero rows up to the Megatron table's size (see ``core/dense.py``)."""
+        from megatron.core import parallel_state
+
+        text = self._text_config()
+        multiple = self.make_vocab_size_divisible_by(text.vocab_size) * (
+            parallel_state.get_tensor_model_parallel_world_size()
+        )
+        rows = -(-table.shape[0] // multiple) * multiple
+        return (
+            table
+            if rows == table.shape[0]
+            else torch.cat([table, table.new_zeros(rows - table.shape[0], *table.shape[1:])])
+        )
 
     def _absent_in_hf(self, hf_name: str) -> bool:
         """Whether the HF checkpoint has no such k/v projection (the config says so; no file is read)."""
@@ -399,7 +444,6 @@ def moe_provider(text: Any) -> Gemma4TextModelProvider:
         kv_channels=text.head_dim,
         layernorm_epsilon=text.rms_norm_eps,
         vocab_size=text.vocab_size,
-        make_vocab_size_divisible_by=128,
         seq_length=text.max_position_embeddings,
         init_method_std=text.initializer_range,
         share_embeddings_and_output_weights=bool(getattr(text, "tie_word_embeddings", True)),
@@ -432,9 +476,6 @@ def dense_provider(text: Any) -> Any:
     provider = Gemma4DenseTextModelProvider(
         **{name: getattr(upstream, name) for name in upstream.__dataclass_fields__ if name != "transformer_layer_spec"}
     )
-    # Upstream pads the vocab to a multiple (default 128) while its embedding mapping copies the
-    # HF table unpadded; a divisor of the vocab means no padding.
-    provider.make_vocab_size_divisible_by = min(128, text.vocab_size & -text.vocab_size)  # largest power of 2
     provider.num_global_query_groups = global_kv_heads(text)
     return provider
 

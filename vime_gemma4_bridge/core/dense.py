@@ -49,9 +49,21 @@ class Gemma4DenseTextModelProvider(Gemma4DenseProvider):
         return prepare_host_forward(model)
 
     def build(self, pre_process: bool = True, post_process: bool = True) -> torch.nn.Module:
-        """Upstream's build, which also runs on a host without CUDA (its RoPE allocates on the current device)."""
-        with host_cuda_device():
-            return super().build(pre_process=pre_process, post_process=post_process)
+        """Upstream's build, on a host without CUDA too (its RoPE allocates on the current device).
+
+        Upstream pads the vocabulary to a multiple of ``make_vocab_size_divisible_by`` alone, and
+        the PLE table not at all; megatron-core splits both over TP, so both are padded as Megatron
+        pads, to that times TP (the bridge pads the PLE rows on import, drops them on export).
+        """
+        divisor, per_layer_vocab = self.make_vocab_size_divisible_by, self.per_layer_embed_vocab_size
+        multiple = divisor * self.tensor_model_parallel_size
+        self.make_vocab_size_divisible_by = multiple
+        self.per_layer_embed_vocab_size = -(-per_layer_vocab // multiple) * multiple  # the PLE table alike
+        try:
+            with host_cuda_device():
+                return super().build(pre_process=pre_process, post_process=post_process)
+        finally:
+            self.make_vocab_size_divisible_by, self.per_layer_embed_vocab_size = divisor, per_layer_vocab
 
 
 def _install_rounded_embedding_scale(model: torch.nn.Module) -> None:

@@ -288,7 +288,7 @@ def write_hf_checkpoint(
         extra = sorted(set(language_tensors) - expected)[:3]
         raise CheckpointError(f"refusing to write an incomplete checkpoint: missing {missing}, unexpected {extra}")
     try:
-        with atomic_directory(out) as tmp:
+        with atomic_directory(out, replace=force) as tmp:
             copy_side_files(source, tmp)
             # Copied from the source shard as they are written, not loaded beforehand: the vision
             # tower costs no memory, whatever its size.

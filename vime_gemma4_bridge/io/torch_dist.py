@@ -143,20 +143,32 @@ class TorchDistCheckpoint:
                 raise ConversionError(f"{sidecar_file} is no JSON ({error}); the checkpoint is damaged") from None
 
     def check_files(self) -> None:
-        """Refuse a checkpoint whose data files are missing or shorter than its metadata says (no data read).
+        """Refuse a checkpoint whose files are missing, truncated or could run code (no tensor data read).
 
         PyTorch's checkpoint metadata records, for every stored item, the file and byte range that hold
         it; a missing or truncated ``.distcp`` file is found here, in one line naming the file and a
-        tensor it should hold, before any rank starts.
+        tensor it should hold, before any rank starts. Every pickle megatron-core or PyTorch would
+        unpickle (``.metadata``, each item of the ``.distcp`` files, any ``*.pt`` beside them) and the
+        run config go through :mod:`vime_gemma4_bridge.io.safe_pickle`'s allow-list first.
         """
-        from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
+        from vime_gemma4_bridge.io.safe_pickle import check_archive, check_archives, read_checkpoint_metadata
 
         metadata = read_checkpoint_metadata(self.iteration_dir)  # refuses a .metadata that could run code
         needed: dict[str, tuple[int, str]] = {}
+        items: dict[str, list[tuple[str, int, int]]] = {}
         for index, info in metadata.storage_data.items():
             end = info.offset + info.length
             if end > needed.get(info.relative_path, (0, ""))[0]:
                 needed[info.relative_path] = (end, index.fqn)
+            items.setdefault(info.relative_path, []).append((index.fqn, info.offset, info.length))
+        self._check_data_files(needed)
+        for relative_path, stored in sorted(items.items()):
+            check_archives(self.iteration_dir / relative_path, sorted(stored, key=lambda item: item[1]))
+        for archive in sorted({*self.iteration_dir.glob("*.pt"), *self.path.glob("*.pt")}):
+            check_archive(archive)  # common.pt (megatron-core prefers it to common_state), train_state.pt
+        self._check_run_config()
+
+    def _check_data_files(self, needed: Mapping[str, tuple[int, str]]) -> None:
         for relative_path, (end, key) in sorted(needed.items()):
             file = self.iteration_dir / relative_path
             if not file.is_file():
@@ -170,6 +182,12 @@ class TorchDistCheckpoint:
                     f"torch_dist checkpoint {self.path} is damaged: {file.name} is truncated ({size:,} of at least "
                     f"{end:,} bytes; {key} is past its end); re-create it with vime-gemma4 import"
                 )
+
+    def _check_run_config(self) -> None:
+        """``run_config.yaml`` is plain YAML: a tag that constructs Python objects is refused, never built."""
+        path = self.iteration_dir / RUN_CONFIG_NAME
+        if path.is_file():
+            _read_run_config(path)
 
     def check_matches(self, source: Any) -> None:
         """Refuse (one line) if ``source`` (an :class:`~vime_gemma4_bridge.io.hf.HFCheckpoint`) is another model.
@@ -254,12 +272,7 @@ _ARCHITECTURE_FIELDS = {
 
 
 def _check_run_config(run_config: Path, hf_config: Mapping, ckpt: Path, hf: Path, hint: str) -> None:
-    import yaml
-
-    try:
-        model = (yaml.safe_load(run_config.read_text()) or {}).get("model") or {}
-    except yaml.YAMLError as error:
-        raise ConversionError(f"{run_config} is not valid YAML ({error}); the checkpoint is damaged") from None
+    model = _read_run_config(run_config).get("model") or {}
     text = text_config_dict(hf_config)
     for megatron_field, hf_field in _ARCHITECTURE_FIELDS.items():
         if megatron_field not in model or hf_field not in text:
@@ -272,6 +285,27 @@ def _check_run_config(run_config: Path, hf_config: Mapping, ckpt: Path, hf: Path
                 f"torch_dist checkpoint {ckpt} holds a different model than {hf}: {megatron_field} is {ours} "
                 f"there and {hf_field} is {theirs} here; {hint}"
             )
+
+
+def _read_run_config(path: Path) -> dict:
+    """A run config read as plain data (``yaml.safe_load``): one line for a hostile or damaged file."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(path.read_text())
+    except yaml.constructor.ConstructorError as error:
+        from vime_gemma4_bridge.io.safe_pickle import UnsafeCheckpoint
+
+        raise UnsafeCheckpoint(
+            f"{path} refused: it names the YAML tag {error.problem.split()[-1] if error.problem else '?'}, which "
+            "builds Python objects and a run config never holds; do not use this checkpoint, re-create it with "
+            "vime-gemma4 import"
+        ) from None
+    except yaml.YAMLError as error:
+        raise ConversionError(f"{path} is not valid YAML ({error}); the checkpoint is damaged") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path} holds a {type(config).__name__}, not a run config; the checkpoint is damaged")
+    return config
 
 
 def save_torch_dist(model: list, iteration_dir: str | os.PathLike, *, leave_out: Collection[str] = ()) -> None:
@@ -411,9 +445,7 @@ def write_run_config(provider: Any, path: Path) -> None:
 
 def provider_from_run_config(iteration_dir: str | os.PathLike) -> Any:
     """The model provider a ``run_config.yaml`` describes, as Megatron-Bridge's ``load_model_config`` builds it."""
-    import yaml
     from megatron.bridge.utils.instantiate_utils import instantiate
 
     allow_run_config_targets()
-    config = yaml.safe_load((Path(iteration_dir) / RUN_CONFIG_NAME).read_text())
-    return instantiate(config["model"])
+    return instantiate(_read_run_config(Path(iteration_dir) / RUN_CONFIG_NAME)["model"])

@@ -313,7 +313,7 @@ def write_tiny_checkpoint(
     expected = saved_tensors(model)
     assert_all_distinct(expected)  # never write a checkpoint that cannot catch a mix-up
 
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, replace=force) as tmp:
         model.save_pretrained(tmp)
         build_tokenizer(spec.vocab_size).save_pretrained(tmp)
         (tmp / "tiny_spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2, sort_keys=True) + "\n")

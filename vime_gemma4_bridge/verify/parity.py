@@ -18,6 +18,8 @@ differs between the two implementations' op orders, so only the prediction is co
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -275,8 +277,9 @@ def parity_job(
     vocab_size = int(text_config.vocab_size)
     input_ids = fixed_token_ids(vocab_size, batch, seq_len, excluded_token_ids(config.to_dict()))
 
-    model = build_model(bridge, topology)
-    bridge.load_hf_weights(model)
+    with contextlib.redirect_stdout(sys.stderr):  # megatron-core's and the bridge's chatter: stdout is the report's
+        model = build_model(bridge, topology)
+        bridge.load_hf_weights(model)
     if after_load is not None:
         after_load(model)
     logits = megatron_logits_on_rank0(model, input_ids)

@@ -9,6 +9,8 @@ It lives with the proofs, not with the conversions it is built from: it judges t
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Any
 
 from vime_gemma4_bridge.convert.topology import Topology
@@ -34,10 +36,11 @@ def roundtrip_job(
     from vime_gemma4_bridge.verify import report
 
     init_model_parallel(topology)
-    bridge = open_bridge(hf_checkpoint)
-    model = build_model(bridge, topology)
-    bridge.load_hf_weights(model)
-    exported = collect_on_rank0(bridge, model)
+    with contextlib.redirect_stdout(sys.stderr):  # megatron-core's and the bridge's chatter: stdout is the report's
+        bridge = open_bridge(hf_checkpoint)
+        model = build_model(bridge, topology)
+        bridge.load_hf_weights(model)
+        exported = collect_on_rank0(bridge, model)
     result: dict[str, Any] | None = None
     if is_rank0():
         source = hf_io.HFCheckpoint(hf_checkpoint)
