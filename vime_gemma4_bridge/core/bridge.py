@@ -271,13 +271,12 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
 
     def _padded_per_layer_table(self, table: torch.Tensor) -> torch.Tensor:
         """The HF PLE table with zero rows up to the Megatron table's size (see ``core/dense.py``)."""
+        from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
         from megatron.core import parallel_state
 
-        text = self._text_config()
-        multiple = self.make_vocab_size_divisible_by(text.vocab_size) * (
-            parallel_state.get_tensor_model_parallel_world_size()
-        )
-        rows = -(-table.shape[0] // multiple) * multiple
+        divisor = self.make_vocab_size_divisible_by(self._text_config().vocab_size)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        rows = calculate_padded_vocab_size(table.shape[0], divisor, tp, logging_enabled=False)
         return (
             table
             if rows == table.shape[0]

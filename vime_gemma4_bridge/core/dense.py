@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from megatron.bridge.models.gemma.gemma4_bridge import Gemma4Bridge
 from megatron.bridge.models.gemma.gemma4_provider import Gemma4DenseProvider
+from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
 from torch import nn
 
 from vime_gemma4_bridge.compat.cuda import host_cuda_device
@@ -58,7 +59,9 @@ class Gemma4DenseTextModelProvider(Gemma4DenseProvider):
         divisor, per_layer_vocab = self.make_vocab_size_divisible_by, self.per_layer_embed_vocab_size
         multiple = divisor * self.tensor_model_parallel_size
         self.make_vocab_size_divisible_by = multiple
-        self.per_layer_embed_vocab_size = -(-per_layer_vocab // multiple) * multiple  # the PLE table alike
+        self.per_layer_embed_vocab_size = calculate_padded_vocab_size(  # the PLE table alike
+            per_layer_vocab, divisor, self.tensor_model_parallel_size, logging_enabled=False
+        )
         try:
             with host_cuda_device():
                 return super().build(pre_process=pre_process, post_process=post_process)
