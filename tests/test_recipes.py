@@ -32,6 +32,9 @@ DISAGGREGATED = "gemma4-26b-a4b-4x8-a800-disaggregated-disk.sh"
 ONE_NODE = "gemma4-26b-a4b-1x8.sh"
 COLOCATED = "gemma4-26b-a4b-colocated.sh"
 ALL_RECIPES = (DISAGGREGATED, ONE_NODE, COLOCATED)
+#: A hang guard, not a speed check: a dry run's preflight imports megatron.bridge and builds the tiny
+#: model (~20 s alone, over 60 s on a loaded 2-core CI machine, where a 60 s limit failed CI).
+RECIPE_TIMEOUT = 600
 
 # text_config of google/gemma-4-26B-A4B-it (the keys validate_model_topology and the recipes rely on).
 GEMMA4_26B_A4B_TEXT: dict = {
@@ -217,7 +220,7 @@ def dry_run(recipe_env: tuple[dict[str, str], Path]) -> Callable[..., DryRun]:
                 env={**base_env, **overrides},
                 capture_output=True,
                 text=True,
-                timeout=60,
+                timeout=RECIPE_TIMEOUT,
                 check=False,
             )
             assert proc.returncode == 0, f"{name} DRY_RUN failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
@@ -276,7 +279,7 @@ def test_preflight_refuses_a_build_vime_cannot_use(recipe_env: tuple[dict[str, s
         env={**env, "DRY_RUN": "0"},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=RECIPE_TIMEOUT,
         check=False,
     )
     assert proc.returncode == 1, proc.stderr[-2000:]
