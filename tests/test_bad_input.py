@@ -26,7 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from vime_gemma4_bridge.cli import main as cli
-from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.testing.spec import TinySpec
+from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 
 EXPERTS = "model.language_model.layers.0.experts.down_proj"
 

@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from vime_gemma4_bridge.cli import compare as compare_command
 from vime_gemma4_bridge.cli import probe as probe_command
 from vime_gemma4_bridge.convert.topology import Topology
-from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.testing.spec import TinySpec
+from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 from vime_gemma4_bridge.verify import probe
 from vime_gemma4_bridge.verify.report import ep_boundary_pairs
 

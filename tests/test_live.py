@@ -14,7 +14,8 @@ from vime_gemma4_bridge.cli import main as cli
 from vime_gemma4_bridge.convert.live import chunk_by_bytes, export_live_job
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.io.hf import HFCheckpoint
-from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.testing.spec import TinySpec
+from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 from vime_gemma4_bridge.verify.parity import excluded_token_ids, fixed_token_ids
 from vime_gemma4_bridge.verify.update import verify_update
 

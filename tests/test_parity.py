@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from vime_gemma4_bridge.convert.topology import Topology
-from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.testing.spec import TinySpec
+from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 from vime_gemma4_bridge.verify.parity import FLOAT32_MAX_ABS_TOLERANCE, parity_job
 
 CHECKPOINTS = {

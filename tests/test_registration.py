@@ -125,7 +125,8 @@ def test_autoload_fails_safe(tmp_path: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+    from vime_gemma4_bridge.testing.spec import TinySpec
+    from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 
     torch.manual_seed(0)
     llama_config = LlamaConfig(
@@ -174,7 +175,8 @@ def test_explicit_register_raises_what_prevents_it() -> None:
 
 def test_dense_gemma4_is_refused_in_one_line_without_the_builds_dense_provider(tmp_path: Path) -> None:
     """On a build without Megatron-Bridge's Gemma4DenseProvider (simulated: core/dense.py cannot import)."""
-    from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+    from vime_gemma4_bridge.testing.spec import TinySpec
+    from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 
     dense = write_tiny_checkpoint(tmp_path / "dense", TinySpec(moe=False, seed=2))
     block = BLOCK_PLUGIN_MODEL.replace("vime_gemma4_bridge.core.model", "vime_gemma4_bridge.core.dense")

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from vime_gemma4_bridge.convert.topology import Topology
-from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.testing.spec import TinySpec
+from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 from vime_gemma4_bridge.verify.roundtrip import roundtrip_job
 
 CHECKPOINTS = {

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from vime_gemma4_bridge.cli import main as cli
-from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.testing.spec import TinySpec
+from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 from vime_gemma4_bridge.testing.weights import assert_all_distinct
 
 VOCAB = TinySpec().vocab_size

@@ -34,7 +34,8 @@ from vime_gemma4_bridge.io.torch_dist import (
     TorchDistCheckpoint,
 )
 from vime_gemma4_bridge.runtime.world import RankError
-from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.testing.spec import TinySpec
+from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent

@@ -16,7 +16,8 @@ from fork_seams import fork_seams
 
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.io.hf import HFCheckpoint
-from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+from vime_gemma4_bridge.testing.spec import TinySpec
+from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 from vime_gemma4_bridge.verify.roundtrip import roundtrip_job
 
 BUILDS = ["release", "fork"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from vime_gemma4_bridge.testing.tiny import TinySpec
+from vime_gemma4_bridge.testing.spec import TinySpec
 
 __all__ = ["BenchResult", "Step", "format_report"]
 

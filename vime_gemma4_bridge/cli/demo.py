@@ -29,7 +29,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Write the tiny checkpoint, then round-trip it; the round trip's exit status."""
     from vime_gemma4_bridge.cli import roundtrip
-    from vime_gemma4_bridge.testing.tiny import TinySpec, write_tiny_checkpoint
+    from vime_gemma4_bridge.testing.spec import TinySpec
+    from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 
     workdir = Path(args.workdir)
     hf1 = write_tiny_checkpoint(workdir / "hf1-tiny-gemma4", TinySpec(), force=True)

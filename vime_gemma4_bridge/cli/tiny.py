@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from vime_gemma4_bridge.cli import errors
-from vime_gemma4_bridge.testing.tiny import DTYPES, TinySpec, checkpoint_stats, is_empty_dir, write_tiny_checkpoint
+from vime_gemma4_bridge.testing.spec import DTYPES, TinySpec
 from vime_gemma4_bridge.testing.tokenizer import MIN_VOCAB_SIZE
 
 PROG = "vime-gemma4 tiny"
@@ -93,7 +93,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     out = p.add_argument_group("output")
     out.add_argument("--seed", type=int, default=d.seed, help="seed of every tensor draw")
-    out.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="stored dtype")
+    out.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="stored dtype")
     p.set_defaults(func=run, output_arg="out")
     return p
 
@@ -127,6 +127,8 @@ def spec_from_args(args: argparse.Namespace) -> TinySpec:
 
 def run(args: argparse.Namespace) -> int:
     """``tiny`` sub-command: 2 on a bad spec or a non-empty OUT, else write and print one summary line."""
+    from vime_gemma4_bridge.testing.tiny import checkpoint_stats, is_empty_dir, write_tiny_checkpoint
+
     try:
         spec = spec_from_args(args)
     except ValueError as exc:

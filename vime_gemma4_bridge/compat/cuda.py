@@ -1,4 +1,4 @@
-"""Running megatron-core code that assumes CUDA on a host without it (docs/UPSTREAM.md 2, 9, 16).
+"""Running megatron-core code that assumes CUDA on a host without it (docs/UPSTREAM.md 11, 16, C1).
 
 All three shims do nothing where CUDA is available, and each is active only inside a ``with`` block.
 """

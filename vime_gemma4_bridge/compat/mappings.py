@@ -1,4 +1,4 @@
-"""Variants of Megatron-Bridge mapping classes: CPU-safe, parallelism stated, copy-free (docs/UPSTREAM.md 4, 26, 29).
+"""Variants of Megatron-Bridge mapping classes: CPU-safe, parallelism stated, copy-free (docs/UPSTREAM.md 5, 26, 29).
 
 Megatron-Bridge's ``ReplicatedMapping.hf_to_megatron`` (0.6.2 and vime's fork alike) moves the HF
 tensor to ``torch.cuda.current_device()`` before the TP broadcast whenever TP > 1, which raises on

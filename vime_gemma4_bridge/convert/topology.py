@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vime_gemma4_bridge.compat.parallel_state import reset_model_parallel, seed_cuda_rng_tracker
-from vime_gemma4_bridge.core.hf_layout import text_config_dict
+from vime_gemma4_bridge.core.hf_layout import global_kv_heads, text_config_dict
 
 
 @dataclass(frozen=True)
@@ -148,8 +148,8 @@ def validate_model_topology(config: Mapping[str, Any], topology: Topology) -> No
         ("KV heads", int(text["num_key_value_heads"]), topology.tp, "--tp"),
         ("FFN size (intermediate_size)", int(text["intermediate_size"]), topology.tp, "--tp"),
     ]
-    if text.get("attention_k_eq_v") and text.get("num_global_key_value_heads"):
-        checks.append(("global KV heads", int(text["num_global_key_value_heads"]), topology.tp, "--tp"))
+    if global_kv_heads(text) != int(text["num_key_value_heads"]):
+        checks.append(("global KV heads", global_kv_heads(text), topology.tp, "--tp"))
     if moe:
         checks += [
             ("experts", int(text["num_experts"]), topology.ep, "--ep"),

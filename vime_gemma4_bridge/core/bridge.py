@@ -42,7 +42,7 @@ from vime_gemma4_bridge.compat.mappings import (
     RowParallel,
     RowParallelFusedExpertMapping,
 )
-from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX
+from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX, global_kv_heads
 from vime_gemma4_bridge.core.layer_pattern import FULL, SLIDING, pattern_from_layer_types
 from vime_gemma4_bridge.core.provider import Gemma4TextModelProvider
 from vime_gemma4_bridge.core.tied import broadcast_tied_embeddings, check_tied_embeddings
@@ -477,17 +477,6 @@ def dense_provider(text: Any) -> Any:
     )
     provider.num_global_query_groups = global_kv_heads(text)
     return provider
-
-
-def global_kv_heads(text: Any) -> int:
-    """KV heads of full-attention layers, as transformers builds them.
-
-    ``num_global_key_value_heads`` applies only with ``attention_k_eq_v`` (transformers'
-    ``use_alternative_attention``); otherwise full layers keep ``num_key_value_heads``.
-    """
-    if getattr(text, "attention_k_eq_v", False) and getattr(text, "num_global_key_value_heads", None):
-        return int(text.num_global_key_value_heads)
-    return int(text.num_key_value_heads)
 
 
 def _layer_type(text: Any, hf_name: str) -> str:

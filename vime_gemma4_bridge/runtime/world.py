@@ -273,11 +273,6 @@ class LocalWorld:
         log.debug("LocalWorld of %d rank(s) (%s) ready: pids %s", self.nproc, backend, replies)
         return self
 
-    def restart(self) -> LocalWorld:
-        """Kill the ranks (if any) and spawn fresh ones."""
-        self._kill()
-        return self.start()
-
     def close(self) -> None:
         """Stop all rank processes (politely, then SIGKILL) and release the store. Idempotent."""
         if os.getpid() != self._owner_pid:  # a forked copy of this object owns nothing

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from vime_gemma4_bridge.testing.tiny import TinySpec
+from vime_gemma4_bridge.testing.spec import TinySpec
 from vime_gemma4_bridge.testing.tokenizer import MIN_VOCAB_SIZE
 
 __all__ = ["layer_experts_bytes", "spec_bytes", "spec_for_size", "write_synthetic_checkpoint"]

@@ -13,10 +13,7 @@ The model is built by ``Gemma4ForConditionalGeneration`` (text + minimal vision 
 audio) or ``Gemma4ForCausalLM`` and saved with ``save_pretrained``, so tensor names, shapes,
 tied weights and config fields are exactly what transformers produces and reads back.
 
-Defaults mirror the structure of gemma-4-26B-A4B (MoE next to a dense MLP, ``attention_k_eq_v``,
-separate head dim / KV heads on global layers) at toy size, chosen so that TP up to 4,
-PP2 x VPP2 and EP up to 8 all divide them. The vocabulary (300) is deliberately not a
-multiple of 128 so that vocab padding in Megatron is exercised.
+The spec (:class:`~vime_gemma4_bridge.testing.spec.TinySpec`) lives in its own torch-free module.
 
 Tokenizer (:mod:`vime_gemma4_bridge.testing.tokenizer`): a byte-level BPE built locally with
 ``tokenizers`` (nothing can be downloaded), with Gemma 4's special-token strings at the front and
@@ -35,220 +32,18 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from vime_gemma4_bridge.io.commit import atomic_directory
-from vime_gemma4_bridge.testing.tokenizer import BOS_ID, EOS_ID, MIN_VOCAB_SIZE, PAD_ID, TOKEN_ID, build_tokenizer
+from vime_gemma4_bridge.testing.spec import TinySpec
+from vime_gemma4_bridge.testing.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKEN_ID, build_tokenizer
 from vime_gemma4_bridge.testing.weights import assert_all_distinct, randomize_, saved_tensors
 
 if TYPE_CHECKING:
-    from transformers import Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig, PreTrainedModel
-
-#: ``--dtype`` choices and their torch dtypes.
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-#: Short layer-type names accepted on the command line -> transformers' names.
-_LAYER_TYPE_NAMES = {
-    "sliding": "sliding_attention",
-    "full": "full_attention",
-    "sliding_attention": "sliding_attention",
-    "full_attention": "full_attention",
-}
-
-
-@dataclass(frozen=True)
-class TinySpec:
-    """Every knob of a tiny Gemma 4 checkpoint; defaults divide TP<=4, PP2xVPP2 and EP<=8.
-
-    ``moe=True`` builds 26B-A4B-style layers (dense MLP + router + stacked experts);
-    ``moe=False`` builds a dense text model, which alone uses ``per_layer_input_size`` (PLE,
-    0 disables it) and ``kv_shared_layers`` like the small Gemma 4 models. ``layer_types``
-    holds ``"sliding"`` / ``"full"`` per layer (``None``: alternate, ending with ``full``).
-    """
-
-    layers: int = 4
-    layer_types: tuple[str, ...] | None = None
-    hidden_size: int = 64
-    intermediate_size: int = 32
-    moe_intermediate_size: int = 16
-    experts: int = 16
-    top_k: int = 4
-    heads: int = 16
-    kv_heads: int = 8
-    global_kv_heads: int = 4
-    head_dim: int = 8
-    global_head_dim: int = 16
-    attention_k_eq_v: bool = True
-    sliding_window: int = 8
-    vocab_size: int = 300
-    seed: int = 0
-    dtype: str = "bfloat16"
-    moe: bool = True
-    causal_lm: bool = False
-    per_layer_input_size: int = 8
-    kv_shared_layers: int = 0
-
-    def __post_init__(self) -> None:
-        if self.layer_types is not None and not isinstance(self.layer_types, tuple):
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        self.validate()
-
-    # ----------------------------------------------------------------------------- checks
-    def validate(self) -> None:
-        """Raise ``ValueError`` for a spec transformers would reject or silently alter."""
-        positive = (
-            "layers hidden_size intermediate_size heads kv_heads global_kv_heads head_dim global_head_dim "
-            "sliding_window vocab_size"
-        ).split()
-        if self.moe:
-            positive += ["moe_intermediate_size", "experts", "top_k"]
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.moe and self.top_k > self.experts:
-            raise ValueError(f"top_k ({self.top_k}) must not exceed experts ({self.experts})")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        if self.attention_k_eq_v and self.heads % self.global_kv_heads:
-            raise ValueError(f"heads ({self.heads}) must be a multiple of global_kv_heads ({self.global_kv_heads})")
-        # RoPE rotates pairs; the proportional RoPE of global layers rotates a quarter of the head.
-        if self.head_dim % 2 or self.global_head_dim % 8:
-            raise ValueError("head_dim must be even and global_head_dim a multiple of 8 (RoPE)")
-        if self.vocab_size < MIN_VOCAB_SIZE:
-            raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (byte-level tokenizer + specials)")
-        if self.per_layer_input_size < 0 or self.kv_shared_layers < 0:
-            raise ValueError("per_layer_input_size and kv_shared_layers must be >= 0")
-        if self.moe and self.kv_shared_layers:
-            raise ValueError("kv_shared_layers is only supported with dense models (moe=False)")
-        types = self.resolved_layer_types()
-        if len(types) != self.layers:
-            raise ValueError(f"layer_types has {len(types)} entries but layers is {self.layers}")
-        if types[-1] != "full_attention":
-            # transformers would silently rewrite it (with a warning); refuse instead.
-            raise ValueError("the last layer must be 'full' (transformers forces it)")
-        if self.kv_shared_layers:
-            first_shared = self.layers - self.kv_shared_layers
-            if first_shared < 1:
-                raise ValueError("kv_shared_layers must leave at least one layer with its own K/V")
-            missing = set(types[first_shared:]) - set(types[:first_shared])
-            if missing:
-                raise ValueError(f"kv-shared layers of type {sorted(missing)} have no earlier layer to share K/V with")
-
-    def resolved_layer_types(self) -> list[str]:
-        """Layer types in transformers' spelling (``sliding_attention`` / ``full_attention``)."""
-        if self.layer_types is None:
-            # Alternate so that both kinds land on every PP2 x VPP2 chunk, ending with full.
-            return [
-                "full_attention" if (self.layers - 1 - i) % 2 == 0 else "sliding_attention" for i in range(self.layers)
-            ]
-        out = []
-        for t in self.layer_types:
-            if t not in _LAYER_TYPE_NAMES:
-                raise ValueError(f"unknown layer type {t!r}; use 'sliding' or 'full'")
-            out.append(_LAYER_TYPE_NAMES[t])
-        return out
-
-    # ----------------------------------------------------------------------------- configs
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The torch dtype the tensors are stored in."""
-        return DTYPES[self.dtype]
-
-    @property
-    def architecture(self) -> str:
-        """The transformers class written into ``config.architectures``."""
-        return "Gemma4ForCausalLM" if self.causal_lm else "Gemma4ForConditionalGeneration"
-
-    def text_config(self) -> Gemma4TextConfig:
-        """The text-model config; all sizes come from the spec, nothing from transformers' defaults."""
-        from transformers import Gemma4TextConfig
-
-        ple = 0 if self.moe else self.per_layer_input_size
-        moe_kwargs = (
-            {
-                "enable_moe_block": True,
-                "num_experts": self.experts,
-                "top_k_experts": self.top_k,
-                "moe_intermediate_size": self.moe_intermediate_size,
-            }
-            if self.moe
-            else {"enable_moe_block": False}
-        )
-        return Gemma4TextConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            num_global_key_value_heads=self.global_kv_heads,
-            head_dim=self.head_dim,
-            global_head_dim=self.global_head_dim,
-            attention_k_eq_v=self.attention_k_eq_v,
-            sliding_window=self.sliding_window,
-            layer_types=self.resolved_layer_types(),
-            max_position_embeddings=4096,
-            final_logit_softcapping=30.0,
-            hidden_size_per_layer_input=ple,
-            vocab_size_per_layer_input=self.vocab_size,
-            num_kv_shared_layers=self.kv_shared_layers,
-            pad_token_id=PAD_ID,
-            eos_token_id=EOS_ID,
-            bos_token_id=BOS_ID,
-            tie_word_embeddings=True,
-            **moe_kwargs,
-        )
-
-    def vision_config(self) -> Gemma4VisionConfig:
-        """A minimal but valid vision tower: 1 layer, hidden 16, 4x4 patches, 16 positions per axis."""
-        from transformers import Gemma4VisionConfig
-
-        return Gemma4VisionConfig(
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            head_dim=8,  # 2-D RoPE splits the head in x/y halves: must be a multiple of 4
-            patch_size=4,
-            position_embedding_size=16,
-            pooling_kernel_size=3,
-        )
-
-    def hf_config(self) -> Gemma4Config | Gemma4TextConfig:
-        """The config of the model class: ``Gemma4Config`` (text + vision, no audio) or the text config."""
-        from transformers import Gemma4Config
-
-        text = self.text_config()
-        if self.causal_lm:
-            text.architectures = [self.architecture]
-            return text
-        config = Gemma4Config(
-            text_config=text,
-            vision_config=self.vision_config(),
-            audio_config=None,
-            boi_token_id=TOKEN_ID["<|image>"],
-            eoi_token_id=TOKEN_ID["<image|>"],
-            image_token_id=TOKEN_ID["<|image|>"],
-            video_token_id=TOKEN_ID["<|video|>"],
-            boa_token_id=TOKEN_ID["<|audio>"],
-            eoa_token_index=TOKEN_ID["<audio|>"],
-            audio_token_id=TOKEN_ID["<|audio|>"],
-            tie_word_embeddings=True,
-        )
-        config.architectures = [self.architecture]
-        return config
-
-    def describe(self) -> str:
-        """Short human description used in the summary line."""
-        kind = f"MoE {self.experts}x top-{self.top_k}" if self.moe else "dense"
-        return f"{self.architecture} ({kind}, {self.layers} layers, {self.dtype})"
+    from transformers import PreTrainedModel
 
 
 def build_tiny_model(spec: TinySpec) -> PreTrainedModel:
