@@ -13,9 +13,9 @@ import textwrap
 
 import pytest
 
-from vime_gemma4_bridge.compat import te_guard
+from vime_gemma4_bridge.compat import seams
 
-pytestmark = pytest.mark.skipif(te_guard.te_available(), reason="Transformer Engine is installed: nothing to guard")
+pytestmark = pytest.mark.skipif(seams.te_available(), reason="Transformer Engine is installed: nothing to guard")
 
 _PROBE = textwrap.dedent(
     """

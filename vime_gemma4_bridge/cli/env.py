@@ -29,7 +29,7 @@ def collect(vime: bool) -> tuple[list[tuple[str, str]], list[str]]:
     """``(rows, problems)``: what to print, and every reason the plugin (or vime's bridge mode) cannot work."""
     import torch
 
-    from vime_gemma4_bridge.compat import autoload, te_guard
+    from vime_gemma4_bridge.compat import autoload, seams
 
     rows: list[tuple[str, str]] = [
         ("python", sys.version.split()[0]),
@@ -38,13 +38,11 @@ def collect(vime: bool) -> tuple[list[tuple[str, str]], list[str]]:
         ("transformers", _version("transformers")),
     ]
     problems: list[str] = []
-    te = te_guard.te_available()
+    te = seams.te_available()
     rows.append(("Transformer Engine", _version("transformer-engine") if te else "not installed"))
     rows.append(("modules", "Transformer Engine (GPU)" if te else "CPU twins of the TE modules (same names and keys)"))
     rows.append(("autoload", f"{autoload.ENV_VAR}={os.environ.get(autoload.ENV_VAR, '') or 'unset'}"))
     try:
-        from vime_gemma4_bridge.compat import seams
-
         described = seams.describe()
     except Exception as error:  # noqa: BLE001 (reported, not raised: this command diagnoses)
         rows.append(("Megatron-Bridge", f"{_version('megatron-bridge')}: cannot be imported"))

@@ -14,6 +14,7 @@ difference is detected from the code itself, never from a version string:
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from functools import cache
 from typing import Any
@@ -55,6 +56,14 @@ def mappings_keep_pg_collection() -> bool:
     return hasattr(ReplicatedMapping("a.weight", "b.weight"), "_pg_collection")
 
 
+def te_available() -> bool:
+    """Whether Transformer Engine can be imported here: TE modules and fusions, or the CPU twins."""
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def build_kind() -> str:
     """``"release"`` or ``"vime fork"``, as the export tuple tells (the seam vime's bridge mode needs)."""
     return "vime fork" if export_yields_megatron_names() else "release"
@@ -70,3 +79,56 @@ def describe() -> dict[str, Any]:
         "build_conversion_tasks weight_dtype": conversion_tasks_take_weight_dtype(),
         "mappings keep _pg_collection": mappings_keep_pg_collection(),
     }
+
+
+# Upstream private names the plugin needs, each reached here and nowhere else (docs/SEAMS.md): when a
+# build moves one, this is the one place to follow it.
+
+
+def model_bridge_of(auto_bridge: Any) -> Any:
+    """The per-model bridge an ``AutoBridge`` dispatches to (its private ``_model_bridge``; no public getter)."""
+    return auto_bridge._model_bridge
+
+
+def unwrap_name(model_bridge: Any, name: str) -> str:
+    """A Megatron parameter name without wrapper prefixes (``module.``), as the bridge's conversion tasks name it.
+
+    ``MegatronModelBridge._unwrap_name``: the tasks' names come from it, so checking them must use it too.
+    """
+    return model_bridge._unwrap_name(name)
+
+
+def run_config_dict(provider: Any) -> Any:
+    """``provider`` as Megatron-Bridge's ``ConfigContainer.to_yaml`` serialises a config (``_target_`` keys).
+
+    ``_ConfigContainerBase._convert_value_to_dict``: the serializer of the run config a Megatron-Bridge
+    training checkpoint carries, so the checkpoints the plugin writes read back with its loader.
+    """
+    from megatron.bridge.training.utils.config_utils import _ConfigContainerBase
+
+    return _ConfigContainerBase._convert_value_to_dict(provider)
+
+
+def serializable_content_metadata(metadata: dict) -> dict:
+    """megatron-core's content metadata as its own checkpoint save stores it (``_clean_metadata_for_serialization``)."""
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+    return _clean_metadata_for_serialization(metadata)
+
+
+def storage_info_class() -> type:
+    """PyTorch's record of where a torch_dist item lies in its file (``filesystem._StorageInfo``).
+
+    The values of a checkpoint's ``Metadata.storage_data``: the streamed import writes them, the
+    allow-list admits them.
+    """
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo
+
+
+def dense_provider_from_hf(text_config: Any) -> Any:
+    """Megatron-Bridge's dense Gemma 4 provider for ``text_config`` (``Gemma4Bridge._build_dense_provider``)."""
+    from megatron.bridge.models.gemma.gemma4_bridge import Gemma4Bridge
+
+    return Gemma4Bridge()._build_dense_provider(text_config)

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.convert.streaming import (
     StreamedExpert,
     StreamedExperts,
@@ -164,7 +165,7 @@ def plan_export(bridge: Any, model: list[torch.nn.Module], reader: TorchDistRead
     """The streaming plan for a one-chunk TP1 model built from ``bridge`` (an ``AutoBridge``), or ``None``."""
     if len(model) != 1:
         return None
-    model_bridge = bridge._model_bridge  # the registered Gemma 4 bridge (AutoBridge exposes no public getter)
+    model_bridge = seams.model_bridge_of(bridge)  # the registered Gemma 4 bridge
     tasks = [task for task in model_bridge.build_conversion_tasks(bridge.hf_pretrained, model) if task is not None]
     state = sharded_state_dict(model)[0]["model"]
     experts = plan_streamed_experts(tasks, state, lambda piece: _stored_as_is(piece, reader))

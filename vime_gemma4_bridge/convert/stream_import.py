@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.convert.streaming import (
     StreamedExperts,
     memory_ordered_pieces,
@@ -261,7 +262,6 @@ class _MappedState(Mapping):
 
 def _index(metadata: Any, written: list[_Written]) -> None:
     """Add the written chunks to PyTorch's checkpoint metadata as its save planner would have."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         MetadataIndex,
@@ -270,6 +270,7 @@ def _index(metadata: Any, written: list[_Written]) -> None:
     )
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+    storage_info = seams.storage_info_class()
     plans = getattr(metadata, "all_local_plans", None)  # megatron-core keeps rank plans for save reuse
     new_items = []
     for item in written:
@@ -284,7 +285,7 @@ def _index(metadata: Any, written: list[_Written]) -> None:
         chunk = ChunkStorageMetadata(offsets=torch.Size(piece.global_offset), sizes=torch.Size(stored_shape(piece)))
         where = MetadataIndex(piece.key, chunk.offsets)
         entry.chunks.append(chunk)
-        metadata.storage_data[where] = _StorageInfo(item.file, item.offset, item.length)
+        metadata.storage_data[where] = storage_info(item.file, item.offset, item.length)
         tensor_data = TensorWriteData(chunk=chunk, properties=properties, size=size)
         new_items.append(WriteItem(index=where, type=WriteItemType.SHARD, tensor_data=tensor_data))
     if plans:
@@ -301,7 +302,7 @@ def plan_import(bridge: Any, model: list[torch.nn.Module], source: HFCheckpoint)
     """
     if len(model) != 1:
         return None
-    model_bridge = bridge._model_bridge  # the registered Gemma 4 bridge (AutoBridge exposes no public getter)
+    model_bridge = seams.model_bridge_of(bridge)  # the registered Gemma 4 bridge
     hook = getattr(model_bridge, "maybe_modify_loaded_hf_weight", None)
     if hook is None or len(inspect.signature(hook).parameters) != 2:
         return None

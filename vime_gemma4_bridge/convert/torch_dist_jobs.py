@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.io import torch_dist
 from vime_gemma4_bridge.io.commit import commit_directory
@@ -117,7 +118,7 @@ def import_job(
                     if plan is None:
                         bridge.load_hf_weights(model)
                     elif stream is not None:
-                        stream.convert(bridge._model_bridge, bridge.hf_pretrained.state)
+                        stream.convert(seams.model_bridge_of(bridge), bridge.hf_pretrained.state)
                 dist.barrier()
                 with phases("save", f"saving torch_dist to {out}"):
                     leave_out = plan.streamed_params() if plan else ()

@@ -17,6 +17,7 @@ classes and conversion tasks). What is Gemma 4's own (each a gap listed in docs/
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Iterable
@@ -230,7 +231,7 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
         tasks = super().build_conversion_tasks(
             hf_pretrained, megatron_model, **seams.conversion_task_kwargs(weight_dtype)
         )
-        check_conversion_tasks(tasks, megatron_model, self._unwrap_name)
+        check_conversion_tasks(tasks, megatron_model, functools.partial(seams.unwrap_name, self))
         return one_stack_at_a_time(tasks)
 
     def maybe_modify_loaded_hf_weight(self, hf_param: str | dict[str, str], hf_state_dict: Any) -> Any:

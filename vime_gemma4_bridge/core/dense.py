@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from megatron.bridge.models.gemma.gemma4_bridge import Gemma4Bridge
 from megatron.bridge.models.gemma.gemma4_provider import Gemma4DenseProvider
 from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
 from torch import nn
 
+from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.compat.cuda import host_cuda_device
 from vime_gemma4_bridge.core.cpu_modules import prepare_host_forward
 from vime_gemma4_bridge.core.model import rounded_embedding_scale
@@ -25,7 +25,7 @@ from vime_gemma4_bridge.core.model import rounded_embedding_scale
 
 def build_dense_provider(text_config: Any) -> Gemma4DenseProvider:
     """Megatron-Bridge's dense provider for ``text_config`` (its own HF-config translation)."""
-    return Gemma4Bridge()._build_dense_provider(text_config)
+    return seams.dense_provider_from_hf(text_config)
 
 
 @dataclass

@@ -18,8 +18,8 @@ from megatron.core.activations import fast_gelu
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
+from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.compat.cuda import tensors_stay_on_host
-from vime_gemma4_bridge.compat.te_guard import te_available
 from vime_gemma4_bridge.core.cpu_modules import prepare_host_forward
 from vime_gemma4_bridge.core.model import Gemma4LanguageModelEmbedding, Gemma4OutputLayer, Gemma4RotaryEmbedding
 from vime_gemma4_bridge.core.spec import gemma4_block_spec
@@ -75,7 +75,7 @@ class Gemma4TextModelProvider(GPTModelProvider):
         ]
         if unsupported:
             raise ValueError(f"Gemma 4's three-input MoE layer does not support: {', '.join(unsupported)}")
-        if not te_available():
+        if not seams.te_available():
             # Settings that need TE or CUDA kernels; the values chosen compute the same function.
             self.moe_permute_fusion = False
             self.moe_token_dispatcher_type = "allgather"

@@ -17,7 +17,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from vime_gemma4_bridge.compat.te_guard import te_available
+from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.core import cpu_modules
 from vime_gemma4_bridge.core.model import (
     Gemma4MoELayer,
@@ -30,7 +30,7 @@ from vime_gemma4_bridge.core.model import (
 
 def gemma4_block_spec(config: Any, vp_stage: int | None = None) -> Any:
     """The decoder block spec of a Gemma 4 MoE model for this rank's stage ``vp_stage``."""
-    use_te = te_available()
+    use_te = seams.te_available()
     block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, vp_stage=vp_stage)
     block_spec.layer_norm = Gemma4RMSNorm
     if use_te:

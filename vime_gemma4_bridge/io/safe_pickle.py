@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.io.torch_dist_layout import ConversionError
 
 __all__ = ["UnsafeCheckpoint", "check_archive", "check_archives", "read_checkpoint_metadata"]
@@ -63,7 +64,8 @@ _NAMED = {
     ("torch", "Size"),
     ("torch", "device"),
     ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # where an item lies in its file (Metadata.storage_data's values), by the name the build gives it
+    (seams.storage_info_class().__module__, seams.storage_info_class().__qualname__),
     # megatron-core 0.19.2's SAFE_GLOBALS (megatron/core/safe_globals.py), by the name pickle records
     ("types", "SimpleNamespace"),
     ("pathlib", "PosixPath"),

@@ -44,6 +44,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.compat.cuda import cpu_checkpointing
 from vime_gemma4_bridge.compat.write_results import in_process_write_results
 from vime_gemma4_bridge.core.hf_layout import text_config_dict
@@ -316,7 +317,6 @@ def save_torch_dist(model: list, iteration_dir: str | os.PathLike, *, leave_out:
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
     state, metadata = sharded_state_dict(model)
     if leave_out:
@@ -334,7 +334,7 @@ def save_torch_dist(model: list, iteration_dir: str | os.PathLike, *, leave_out:
                 str(iteration_dir),
                 TorchDistSaveShardedStrategy("torch_dist", 1),
                 validate_access_integrity=True,
-                content_metadata=_clean_metadata_for_serialization(metadata),
+                content_metadata=seams.serializable_content_metadata(metadata),
             )
     except BaseException as error:  # PyTorch's CheckpointException is a BaseException
         if isinstance(error, KeyboardInterrupt | SystemExit):
@@ -435,10 +435,9 @@ def load_torch_dist(
 def write_run_config(provider: Any, path: Path) -> None:
     """``{model: provider}`` in Megatron-Bridge's run-config format (``ConfigContainer.to_yaml``)."""
     import yaml
-    from megatron.bridge.training.utils.config_utils import _ConfigContainerBase
     from megatron.training.config.yaml_utils import safe_yaml_representers
 
-    model = _ConfigContainerBase._convert_value_to_dict(provider)
+    model = seams.run_config_dict(provider)
     with safe_yaml_representers():
         path.write_text(yaml.safe_dump({"model": model}, default_flow_style=False))
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from vime_gemma4_bridge.compat import export_taps
+from vime_gemma4_bridge.compat import export_taps, seams
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.verify.doctor_report import id_list
 from vime_gemma4_bridge.verify.fingerprint import SHORT_HASH, fingerprint, swap_halves, tensor_digest
@@ -125,7 +125,7 @@ def probe_job(
         per_rank,
         ep,
     )
-    model_bridge = bridge._model_bridge
+    model_bridge = seams.model_bridge_of(bridge)
     selected = []
     for task in model_bridge.build_conversion_tasks(bridge.hf_pretrained, models):
         match = _EXPERT_PARAM_RE.match(task.global_param_name) if task is not None else None
