@@ -528,6 +528,7 @@ def _provider_rebuild_job(save: str, hf_checkpoint: str, topology: Topology) -> 
     """Build the model from run_config.yaml alone (as Megatron-Bridge's loader does), load, export, compare."""
     import torch.distributed as dist
 
+    from vime_gemma4_bridge.convert import cpu_host
     from vime_gemma4_bridge.convert import model as convert
     from vime_gemma4_bridge.convert.topology import init_model_parallel
     from vime_gemma4_bridge.io import hf as hf_io
@@ -541,7 +542,9 @@ def _provider_rebuild_job(save: str, hf_checkpoint: str, topology: Topology) -> 
         setattr(provider, field, value)
     provider.use_cpu_initialization = True
     provider.finalize()
-    model = provider.provide_distributed_model(
+    # provider.provide_distributed_model, as a trainer calls it; on this CPU host through the adapter.
+    model = cpu_host.provide_model(
+        provider,
         wrap_with_ddp=False,
         use_cpu_initialization=True,
         init_model_with_meta_device=False,

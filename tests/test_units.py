@@ -286,3 +286,17 @@ def test_upstream_private_names_only_in_compat() -> None:
     assert {path: names for path, names in outside.items() if names} == {}
     seams = (root / "compat" / "seams.py").read_text()
     assert len(set(PRIVATE_UPSTREAM_NAMES.findall(seams))) == 6, "the seams no longer hold the six names"
+
+
+def test_core_is_liftable() -> None:
+    """core/ (the upstream pull request) reaches compat/ only for its seams and mapping classes, no run-time patch."""
+    imported = {
+        f"{module} -> {target}"
+        for module, targets in _package_imports().items()
+        if module.startswith("vime_gemma4_bridge.core")
+        for target in targets
+        if target.startswith("vime_gemma4_bridge.compat")
+    }
+    allowed = {"vime_gemma4_bridge.compat.seams", "vime_gemma4_bridge.compat.mappings"}
+    assert {edge for edge in imported if edge.rpartition(" -> ")[2] not in allowed} == set()
+    assert imported, "the import graph no longer sees core's imports"

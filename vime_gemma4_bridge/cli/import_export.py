@@ -15,11 +15,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from vime_gemma4_bridge.cli.arguments import add_job_arguments
 from vime_gemma4_bridge.convert.topology import Topology
-from vime_gemma4_bridge.runtime.launch import add_launch_arguments, is_reporting_process, launch
+from vime_gemma4_bridge.runtime.launch import is_reporting_process, launch
 
 __all__ = ["add_parsers", "main_export", "main_import", "run_export", "run_import"]
 
+
+#: Both commands' ``--json``: the report alone on stdout.
+JSON_HELP = "print the final report as JSON (progress goes to stderr)"
 
 IMPORT_DESCRIPTION = """\
 Convert a Gemma 4 HF checkpoint to a Megatron torch_dist checkpoint at the given parallel topology
@@ -44,34 +48,25 @@ Any other topology loads the checkpoint into the Megatron model at that topology
 check that it loads there)."""
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
-    Topology.add_arguments(parser)
-    add_launch_arguments(parser)
-    parser.add_argument("--force", action="store_true", help="replace the output if it exists")
-    parser.add_argument("--json", action="store_true", help="print the final report as JSON (progress goes to stderr)")
-
-
 def build_import_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--hf-checkpoint", required=True, metavar="HF", help="source Gemma 4 HF checkpoint")
+    add_job_arguments(parser, hf_help="source Gemma 4 HF checkpoint", replaces="--save", json_help=JSON_HELP)
     parser.add_argument("--save", required=True, metavar="DIR", help="torch_dist checkpoint directory to create")
-    _add_common(parser)
     parser.set_defaults(func=run_import, prog=parser.prog, output_arg="save")
     return parser
 
 
 def build_export_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--load", required=True, metavar="DIR", help="torch_dist checkpoint (DIR or DIR/iter_*)")
-    parser.add_argument(
-        "--hf-checkpoint",
-        required=True,
-        metavar="HF",
-        help="HF checkpoint of the same model: config, tokenizer, non-language tensors",
+    add_job_arguments(
+        parser,
+        hf_help="HF checkpoint of the same model: config, tokenizer, non-language tensors",
+        replaces="--output",
+        json_help=JSON_HELP,
     )
     parser.add_argument("--output", required=True, metavar="OUT", help="HF checkpoint directory to create")
     parser.add_argument(
         "--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard of OUT (default 5GB)"
     )
-    _add_common(parser)
     parser.set_defaults(func=run_export, prog=parser.prog, output_arg="output")
     return parser
 

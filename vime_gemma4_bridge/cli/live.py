@@ -12,8 +12,9 @@ import argparse
 import json
 from pathlib import Path
 
+from vime_gemma4_bridge.cli.arguments import add_job_arguments
 from vime_gemma4_bridge.convert.topology import Topology
-from vime_gemma4_bridge.runtime.launch import add_launch_arguments, is_reporting_process, launch
+from vime_gemma4_bridge.runtime.launch import is_reporting_process, launch
 
 __all__ = ["add_export_live_parser", "add_verify_parser"]
 
@@ -31,9 +32,7 @@ def add_export_live_parser(subparsers: argparse._SubParsersAction) -> None:
             "an index and the checkpoint's side files; check the result with `vime-gemma4 verify-update`."
         ),
     )
-    parser.add_argument("--hf-checkpoint", required=True, metavar="DIR", help="Gemma 4 HF checkpoint to load")
-    Topology.add_arguments(parser)
-    add_launch_arguments(parser)
+    add_job_arguments(parser, hf_help="Gemma 4 HF checkpoint to load", replaces="--dump")
     parser.add_argument(
         "--buffer-size",
         required=True,
@@ -41,8 +40,6 @@ def add_export_live_parser(subparsers: argparse._SubParsersAction) -> None:
         help="chunk bound (vime's --update-weight-buffer-size), e.g. 1GiB",
     )
     parser.add_argument("--dump", required=True, metavar="DIR", help="directory to write the chunk files into")
-    parser.add_argument("--force", action="store_true", help="replace --dump if it exists")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=run_export_live, output_arg="dump")
 
 

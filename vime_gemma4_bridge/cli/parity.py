@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vime_gemma4_bridge.cli import errors
+from vime_gemma4_bridge.cli.arguments import add_job_arguments
 from vime_gemma4_bridge.convert.topology import Topology
-from vime_gemma4_bridge.runtime.launch import add_launch_arguments, is_reporting_process, launch
+from vime_gemma4_bridge.runtime.launch import is_reporting_process, launch
 from vime_gemma4_bridge.verify.parity import DEFAULT_BATCH, DTYPE_NAMES, ParityResult, default_seq_len, parity_job
 
 if TYPE_CHECKING:
@@ -37,9 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--hf-checkpoint", required=True, metavar="DIR", help="Gemma 4 HF checkpoint")
-    Topology.add_arguments(parser)
-    add_launch_arguments(parser)
+    add_job_arguments(
+        parser, hf_help="Gemma 4 HF checkpoint", json_help="print the figures as JSON before the last line"
+    )
     parser.add_argument(
         "--dtype",
         choices=DTYPE_NAMES,
@@ -63,7 +64,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="X",
         help="float32 bound on max |dlogit| (default: 2e-5 for MoE, 5e-5 for dense; deep models may need more)",
     )
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON before the last line")
     parser.set_defaults(func=run)
 
 

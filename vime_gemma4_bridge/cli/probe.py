@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vime_gemma4_bridge.cli import errors
+from vime_gemma4_bridge.cli.arguments import add_job_arguments
 from vime_gemma4_bridge.convert.topology import Topology
-from vime_gemma4_bridge.runtime.launch import add_launch_arguments, is_reporting_process, launch
+from vime_gemma4_bridge.runtime.launch import is_reporting_process, launch
 
 if TYPE_CHECKING:
     from vime_gemma4_bridge.io.hf import HFCheckpoint
@@ -33,14 +34,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--hf-checkpoint", required=True, metavar="DIR", help="source Gemma 4 MoE HF checkpoint")
-    Topology.add_arguments(parser)
-    add_launch_arguments(parser)
+    add_job_arguments(parser, hf_help="source Gemma 4 MoE HF checkpoint", json_help="print the result as JSON")
     parser.add_argument(
         "--experts", metavar="LIST", help="expert ids, e.g. 0,31,32 or 0-3 (default: both sides of every EP boundary)"
     )
     parser.add_argument("--layers", metavar="LIST", help="layer ids, e.g. 0,5 or 0-3 (default: all layers)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 
 

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 from vime_gemma4_bridge.cli import errors
+from vime_gemma4_bridge.cli.arguments import add_job_arguments
 from vime_gemma4_bridge.convert.topology import Topology
-from vime_gemma4_bridge.runtime.launch import add_launch_arguments, is_reporting_process, launch, requested_world_size
+from vime_gemma4_bridge.runtime.launch import is_reporting_process, launch, requested_world_size
 from vime_gemma4_bridge.verify.roundtrip import roundtrip_job
 
 PROG = "vime-gemma4 roundtrip"
@@ -29,15 +30,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--hf-checkpoint", required=True, metavar="DIR", help="source Gemma 4 HF checkpoint")
-    Topology.add_arguments(parser)
-    add_launch_arguments(parser)
+    add_job_arguments(parser, hf_help="source Gemma 4 HF checkpoint", replaces="--output")
     parser.add_argument("--output", metavar="DIR", help="also write the round-tripped model as a HF checkpoint")
-    parser.add_argument("--force", action="store_true", help="replace --output if it exists")
     parser.add_argument(
         "--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard of --output (default 5GB)"
     )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=run, output_arg="output")
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vime_gemma4_bridge.convert.cpu_host import provide_model
 from vime_gemma4_bridge.convert.topology import Topology
 
 
@@ -47,7 +48,8 @@ def build_model(bridge: Any, topology: Topology, *, initialize: bool = True) -> 
     provider.sequence_parallel = False
     provider.use_cpu_initialization = not on_gpu
     provider.finalize()
-    return provider.provide_distributed_model(
+    return provide_model(
+        provider,
         wrap_with_ddp=False,
         use_cpu_initialization=not on_gpu,
         init_model_with_meta_device=False,

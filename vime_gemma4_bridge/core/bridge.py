@@ -32,7 +32,6 @@ from megatron.bridge.models.conversion.utils import persistent_buffers
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from vime_gemma4_bridge.compat import seams
-from vime_gemma4_bridge.compat.hf_save import complete_saves_from_source
 from vime_gemma4_bridge.compat.mappings import (
     AutoMapping,
     ColumnParallel,
@@ -354,14 +353,12 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
         """Upstream export of the language model, after proving the tied output layer still equals the embedding.
 
         With the caller's own conversion tasks (vime's weight sync) the export reads only their
-        weights, so the check, which reads the model's, is skipped (core/tied.py says why). A save
-        of the checkpoint (``save_hf_pretrained``) gets the vision / audio towers from the source
-        (compat/hf_save.py); this stream itself stays the language model.
+        weights, so the check, which reads the model's, is skipped (core/tied.py says why). The
+        stream is the language model (:meth:`converts_hf_tensor`).
         """
         arguments = inspect.signature(super().stream_weights_megatron_to_hf).bind(
             megatron_model, hf_pretrained, *args, **kwargs
         )
-        complete_saves_from_source(hf_pretrained, self._converts)
         return self._checked_stream(arguments.arguments.get("conversion_tasks") is None, arguments)
 
     def _checked_stream(self, check: bool, arguments: inspect.BoundArguments):
@@ -369,8 +366,12 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
             check_tied_embeddings(arguments.args[0])
         yield from super().stream_weights_megatron_to_hf(*arguments.args, **arguments.kwargs)
 
-    def _converts(self, hf_name: str) -> bool:
-        """Whether ``hf_name`` is a language-model tensor, i.e. one this bridge converts."""
+    def converts_hf_tensor(self, hf_name: str) -> bool:
+        """Whether the export yields the source tensor ``hf_name``: the language model's, not a VL tower's.
+
+        The hook a complete HF save needs (docs/UPSTREAM.md 30): the other source tensors are passed
+        through from the source (``compat/hf_save.complete_saves_of``, applied at registration).
+        """
         return hf_name.startswith(LANGUAGE_MODEL_PREFIX[self._architecture()])
 
 

@@ -13,7 +13,6 @@ mapping table states each weight's parallelism, so no build has to guess it from
 from __future__ import annotations
 
 import copy
-import functools
 
 import torch
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
@@ -28,7 +27,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import Tensor, nn
 
-from vime_gemma4_bridge.compat.cuda import host_cuda_device
 from vime_gemma4_bridge.core.layer_pattern import is_sliding_layer
 from vime_gemma4_bridge.core.model import Gemma4RMSNorm, rms_norm
 
@@ -167,30 +165,6 @@ class Gemma4DotProductAttention(HostDotProductAttention):
         kwargs.pop("cp_comm_type", None)
         super().__init__(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type, **kwargs)
         self._take_over_masking()
-
-
-def prepare_host_forward(model: nn.Module) -> nn.Module:
-    """Let a built Gemma 4 ``GPTModel`` run its forward pass on a host without CUDA. In place.
-
-    Every plain megatron-core ``DotProductAttention`` (the dense model's core attention) becomes a
-    :class:`HostDotProductAttention` (no parameters: names, shapes and checkpoints unchanged), and
-    the model's forward runs inside :func:`host_cuda_device`. Does nothing where CUDA exists.
-    """
-    if torch.cuda.is_available() or getattr(model, "_vime_host_forward", False):
-        return model
-    for module in model.modules():
-        if type(module) is DotProductAttention:
-            HostDotProductAttention.adopt(module)
-    forward = model.forward
-
-    @functools.wraps(forward)
-    def host_forward(*args, **kwargs):
-        with host_cuda_device():
-            return forward(*args, **kwargs)
-
-    model.forward = host_forward
-    model._vime_host_forward = True
-    return model
 
 
 class _GroupedLinear(nn.Module):

@@ -18,8 +18,6 @@ from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
 from torch import nn
 
 from vime_gemma4_bridge.compat import seams
-from vime_gemma4_bridge.compat.cuda import host_cuda_device
-from vime_gemma4_bridge.core.cpu_modules import prepare_host_forward
 from vime_gemma4_bridge.core.model import rounded_embedding_scale
 
 
@@ -35,8 +33,9 @@ class Gemma4DenseTextModelProvider(Gemma4DenseProvider):
     Changes to the built model, names and shapes untouched: every parameter in ``params_dtype``
     (upstream creates the per-layer-input linears and ``layer_scalar`` in float32); ``layer_scalar``
     a frozen parameter instead of a buffer (vime's weight sync reads parameters only); the
-    embedding scale rounded to the embedding dtype as in transformers; on hosts without CUDA the
-    forward run with CPU allocations (:func:`vime_gemma4_bridge.core.cpu_modules.prepare_host_forward`).
+    embedding scale rounded to the embedding dtype as in transformers. A host without CUDA builds
+    and runs it through the CPU-host adapter (:mod:`vime_gemma4_bridge.convert.cpu_host`: upstream's
+    RoPE allocates on the current device).
     """
 
     def provide(self, pre_process: bool | None = None, post_process: bool | None = None, vp_stage: int | None = None):
@@ -47,10 +46,10 @@ class Gemma4DenseTextModelProvider(Gemma4DenseProvider):
                 value = module._buffers.pop("layer_scalar")
                 module.layer_scalar = nn.Parameter(value, requires_grad=False)
         _install_rounded_embedding_scale(model)
-        return prepare_host_forward(model)
+        return model
 
     def build(self, pre_process: bool = True, post_process: bool = True) -> torch.nn.Module:
-        """Upstream's build, on a host without CUDA too (its RoPE allocates on the current device).
+        """Upstream's build, with the vocabularies padded as Megatron pads them.
 
         Upstream pads the vocabulary to a multiple of ``make_vocab_size_divisible_by`` alone, and
         the PLE table not at all; megatron-core splits both over TP, so both are padded as Megatron
@@ -63,8 +62,7 @@ class Gemma4DenseTextModelProvider(Gemma4DenseProvider):
             per_layer_vocab, divisor, self.tensor_model_parallel_size, logging_enabled=False
         )
         try:
-            with host_cuda_device():
-                return super().build(pre_process=pre_process, post_process=post_process)
+            return super().build(pre_process=pre_process, post_process=post_process)
         finally:
             self.make_vocab_size_divisible_by, self.per_layer_embed_vocab_size = divisor, per_layer_vocab
 

@@ -19,8 +19,6 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from vime_gemma4_bridge.compat import seams
-from vime_gemma4_bridge.compat.cuda import tensors_stay_on_host
-from vime_gemma4_bridge.core.cpu_modules import prepare_host_forward
 from vime_gemma4_bridge.core.model import Gemma4LanguageModelEmbedding, Gemma4OutputLayer, Gemma4RotaryEmbedding
 from vime_gemma4_bridge.core.spec import gemma4_block_spec
 
@@ -88,8 +86,7 @@ class Gemma4TextModelProvider(GPTModelProvider):
         super().finalize()
 
     def provide(self, pre_process: bool | None = None, post_process: bool | None = None, vp_stage: int | None = None):
-        with tensors_stay_on_host():
-            model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
         model.rotary_pos_emb = Gemma4RotaryEmbedding(
             head_dim=self.kv_channels,
             global_head_dim=self.global_head_dim,
@@ -101,7 +98,7 @@ class Gemma4TextModelProvider(GPTModelProvider):
         # Same parameters, Gemma 4's forward: swapping the class keeps names, shapes and ties.
         _become(getattr(model, "embedding", None), LanguageModelEmbedding, Gemma4LanguageModelEmbedding)
         _become(getattr(model, "output_layer", None), ColumnParallelLinear, Gemma4OutputLayer)
-        return prepare_host_forward(model)
+        return model
 
 
 def _become(module: torch.nn.Module | None, expected: type, gemma4_class: type) -> None:

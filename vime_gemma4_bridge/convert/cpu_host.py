@@ -1,0 +1,61 @@
+"""The CPU-host adapter: what a model built by the Gemma 4 providers needs on a host without CUDA.
+
+megatron-core assumes CUDA in places that take no device argument (docs/UPSTREAM.md 11, C1, P3):
+the tied-embedding all-reduce of a PP > 1 build moves the weight to CUDA, the dense RoPE and the
+forward's gathers, buffers, masks and router allocate on ``torch.cuda.current_device()``, and the
+local ``DotProductAttention`` takes its scores from a CUDA buffer. The model code (core/) is what
+an upstream pull request would contain, so it stays free of these run-time patches; this adapter
+applies them where the model is built (:func:`vime_gemma4_bridge.convert.model.build_model`, and
+any caller building a provider's model on a CPU host), and only where CUDA is absent. On a GPU
+(vime's actors) it calls the provider and returns.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from torch import nn
+
+from vime_gemma4_bridge.compat.cuda import host_cuda_device, tensors_stay_on_host
+from vime_gemma4_bridge.core.cpu_modules import HostDotProductAttention
+
+
+def provide_model(provider: Any, **kwargs: Any) -> list[nn.Module]:
+    """``provider.provide_distributed_model(**kwargs)``, built and runnable on this host.
+
+    Without CUDA the build runs with CPU tensors staying put (``Tensor.cuda`` is the identity) and
+    ``current_device()`` answering the CPU, and every chunk gets :func:`prepare_host_forward`.
+    """
+    if torch.cuda.is_available():
+        return provider.provide_distributed_model(**kwargs)
+    with tensors_stay_on_host(), host_cuda_device():
+        chunks = provider.provide_distributed_model(**kwargs)
+    return [prepare_host_forward(chunk) for chunk in chunks]
+
+
+def prepare_host_forward(model: nn.Module) -> nn.Module:
+    """Let a built Gemma 4 ``GPTModel`` run its forward pass on a host without CUDA. In place.
+
+    Every plain megatron-core ``DotProductAttention`` (the dense model's core attention) becomes a
+    :class:`~vime_gemma4_bridge.core.cpu_modules.HostDotProductAttention` (no parameters: names,
+    shapes and checkpoints unchanged), and the model's forward runs inside :func:`host_cuda_device`.
+    Does nothing where CUDA exists, or twice.
+    """
+    if torch.cuda.is_available() or getattr(model, "_vime_host_forward", False):
+        return model
+    for module in model.modules():
+        if type(module) is DotProductAttention:
+            HostDotProductAttention.adopt(module)
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def host_forward(*args: Any, **kwargs: Any) -> Any:
+        with host_cuda_device():
+            return forward(*args, **kwargs)
+
+    model.forward = host_forward
+    model._vime_host_forward = True
+    return model
