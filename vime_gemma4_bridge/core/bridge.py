@@ -50,21 +50,16 @@ from vime_gemma4_bridge.core.tied import broadcast_tied_embeddings, check_tied_e
 MappingTable = tuple[tuple[type, str, str | dict[str, str]], ...]
 
 # ---------------------------------------------------------------------------------------------
-# The MoE model. Megatron names are relative to the GPTModel; HF names to the language-model
+# Both models. Megatron names are relative to the GPTModel; HF names to the language-model
 # prefix; ``*`` is the layer index. A dict HF side fuses several HF tensors into one Megatron
 # tensor. Tied embeddings: ``lm_head`` / ``output_layer`` appear nowhere on purpose (core/tied.py).
-# Every row states its parallelism (column / row / replicated): the modules are the plugin's, and
-# builds disagree on how ``AutoMapping`` would guess it from their class names (compat/mappings.py).
+# Every row states its parallelism (column / row / replicated): builds disagree on how
+# ``AutoMapping`` would guess it from a module's class name (compat/mappings.py).
 # ---------------------------------------------------------------------------------------------
-MOE_MAPPING_TABLE: MappingTable = (
+SHARED_MAPPING_ROWS: MappingTable = (
     (ColumnParallel, "embedding.word_embeddings.weight", "embed_tokens.weight"),
     (Replicated, "decoder.final_layernorm.weight", "norm.weight"),
     # attention (sliding and full layers share names; shapes differ per layer type)
-    (
-        Replicated,
-        "decoder.layers.*.self_attention.linear_qkv.layer_norm_weight",
-        "layers.*.input_layernorm.weight",
-    ),
     (
         ColumnParallelQKVMapping,
         "decoder.layers.*.self_attention.linear_qkv.weight",
@@ -77,6 +72,17 @@ MOE_MAPPING_TABLE: MappingTable = (
     (Replicated, "decoder.layers.*.self_attention.q_layernorm.weight", "layers.*.self_attn.q_norm.weight"),
     (Replicated, "decoder.layers.*.self_attention.k_layernorm.weight", "layers.*.self_attn.k_norm.weight"),
     (RowParallel, "decoder.layers.*.self_attention.linear_proj.weight", "layers.*.self_attn.o_proj.weight"),
+    (Replicated, "decoder.layers.*.layer_scalar", "layers.*.layer_scalar"),
+)
+
+# The MoE model: its modules are the plugin's (core/model.py, core/spec.py).
+MOE_MAPPING_TABLE: MappingTable = (
+    *SHARED_MAPPING_ROWS,
+    (
+        Replicated,
+        "decoder.layers.*.self_attention.linear_qkv.layer_norm_weight",
+        "layers.*.input_layernorm.weight",
+    ),
     (
         Replicated,
         "decoder.layers.*.self_attention.linear_proj.post_layernorm.weight",
@@ -112,15 +118,13 @@ MOE_MAPPING_TABLE: MappingTable = (
         "layers.*.post_feedforward_layernorm_2.weight",
     ),
     (Replicated, "decoder.layers.*.post_ffn_layernorm.weight", "layers.*.post_feedforward_layernorm.weight"),
-    (Replicated, "decoder.layers.*.layer_scalar", "layers.*.layer_scalar"),
 )
 
 
-# The dense model (E2B/E4B/31B style): Megatron-Bridge's dense Gemma 4 layout, same conventions;
-# its modules are the build's, so ``AutoMapping`` detects their parallelism as the build does.
+# The dense model (E2B/E4B/31B style): Megatron-Bridge's dense Gemma 4 layout. Its modules are the
+# build's, so the rows below the shared ones let ``AutoMapping`` detect their parallelism.
 DENSE_MAPPING_TABLE: MappingTable = (
-    (AutoMapping, "embedding.word_embeddings.weight", "embed_tokens.weight"),
-    (AutoMapping, "decoder.final_layernorm.weight", "norm.weight"),
+    *SHARED_MAPPING_ROWS,
     # per-layer embeddings (PLE)
     (AutoMapping, "per_layer_embedding.weight", "embed_tokens_per_layer.weight"),
     (AutoMapping, "per_layer_model_proj.weight", "per_layer_model_projection.weight"),
@@ -132,20 +136,8 @@ DENSE_MAPPING_TABLE: MappingTable = (
         "decoder.layers.*.post_per_layer_input_norm.weight",
         "layers.*.post_per_layer_input_norm.weight",
     ),
-    # attention: kv-shared layers have no k/v projections in HF
+    # attention (kv-shared layers have no k/v projections in HF: maybe_modify_loaded_hf_weight)
     (AutoMapping, "decoder.layers.*.input_layernorm.weight", "layers.*.input_layernorm.weight"),
-    (
-        ColumnParallelQKVMapping,
-        "decoder.layers.*.self_attention.linear_qkv.weight",
-        {
-            "q": "layers.*.self_attn.q_proj.weight",
-            "k": "layers.*.self_attn.k_proj.weight",
-            "v": "layers.*.self_attn.v_proj.weight",
-        },
-    ),
-    (AutoMapping, "decoder.layers.*.self_attention.q_layernorm.weight", "layers.*.self_attn.q_norm.weight"),
-    (AutoMapping, "decoder.layers.*.self_attention.k_layernorm.weight", "layers.*.self_attn.k_norm.weight"),
-    (AutoMapping, "decoder.layers.*.self_attention.linear_proj.weight", "layers.*.self_attn.o_proj.weight"),
     (AutoMapping, "decoder.layers.*.post_self_attn_layernorm.weight", "layers.*.post_attention_layernorm.weight"),
     # MLP
     (AutoMapping, "decoder.layers.*.pre_mlp_layernorm.weight", "layers.*.pre_feedforward_layernorm.weight"),
@@ -156,7 +148,6 @@ DENSE_MAPPING_TABLE: MappingTable = (
     ),
     (AutoMapping, "decoder.layers.*.mlp.linear_fc2.weight", "layers.*.mlp.down_proj.weight"),
     (AutoMapping, "decoder.layers.*.post_mlp_layernorm.weight", "layers.*.post_feedforward_layernorm.weight"),
-    (ReplicatedMapping, "decoder.layers.*.layer_scalar", "layers.*.layer_scalar"),
 )
 
 
@@ -427,6 +418,44 @@ def check_conversion_tasks(tasks: list, megatron_model: list, unwrap_name: Any) 
                 )
 
 
+#: Provider settings Megatron-Bridge's own ``MegatronModelBridge.CONFIG_MAPPING`` translates from a
+#: Gemma 4 text config (read in 0.6.2 and the fork at 1187a604 / d063066b: the same table).
+UPSTREAM_MAPPED_SETTINGS = frozenset(
+    {
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "layernorm_epsilon",
+        "vocab_size",
+        "seq_length",
+        "init_method_std",
+        "share_embeddings_and_output_weights",
+        "num_moe_experts",
+        "moe_ffn_hidden_size",
+    }
+)
+
+
+def upstream_config_kwargs(text: Any) -> dict[str, Any]:
+    """:data:`UPSTREAM_MAPPED_SETTINGS` from ``text`` through Megatron-Bridge's ``CONFIG_MAPPING`` (first HF name wins).
+
+    The table, not ``hf_config_to_provider_kwargs``: that method also maps fields Gemma 4 sets
+    otherwise (dtype, activation, RoPE) and, on the fork, asserts a ``torch_dtype`` that a VL
+    checkpoint's text config may not declare.
+    """
+    kwargs: dict[str, Any] = {}
+    for hf_name, megatron_name in MegatronModelBridge.CONFIG_MAPPING:
+        if megatron_name in UPSTREAM_MAPPED_SETTINGS and megatron_name not in kwargs and hasattr(text, hf_name):
+            kwargs[megatron_name] = getattr(text, hf_name)
+    missing = UPSTREAM_MAPPED_SETTINGS - set(kwargs)
+    if missing:
+        raise UnsupportedCheckpoint(f"the Gemma 4 text config has no value for {sorted(missing)}")
+    return kwargs
+
+
 def moe_provider(text: Any) -> Gemma4TextModelProvider:
     """The MoE provider for a Gemma 4 text config (HF names on the right)."""
     rope = getattr(text, "rope_parameters", None) or {}
@@ -437,17 +466,7 @@ def moe_provider(text: Any) -> Gemma4TextModelProvider:
                 f"Gemma 4 {layer_type} RoPE {params} is not supported (expected rope_type={expected!r}, no factor)"
             )
     return Gemma4TextModelProvider(
-        num_layers=text.num_hidden_layers,
-        hidden_size=text.hidden_size,
-        ffn_hidden_size=text.intermediate_size,
-        num_attention_heads=text.num_attention_heads,
-        num_query_groups=text.num_key_value_heads,
-        kv_channels=text.head_dim,
-        layernorm_epsilon=text.rms_norm_eps,
-        vocab_size=text.vocab_size,
-        seq_length=text.max_position_embeddings,
-        init_method_std=text.initializer_range,
-        share_embeddings_and_output_weights=bool(getattr(text, "tie_word_embeddings", True)),
+        **upstream_config_kwargs(text),
         layer_types=pattern_from_layer_types(text.layer_types),
         window_size=text.sliding_window,
         global_head_dim=text.global_head_dim or text.head_dim,
@@ -457,9 +476,7 @@ def moe_provider(text: Any) -> Gemma4TextModelProvider:
         rotary_base=float(full.get("rope_theta", 1_000_000.0)),
         local_rotary_base=float(sliding.get("rope_theta", 10_000.0)),
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
-        num_moe_experts=text.num_experts,
         moe_router_topk=text.top_k_experts,
-        moe_ffn_hidden_size=text.moe_intermediate_size,
         moe_shared_expert_intermediate_size=text.intermediate_size,
     )
 
