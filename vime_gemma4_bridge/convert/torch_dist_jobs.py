@@ -5,8 +5,10 @@
 (:mod:`vime_gemma4_bridge.io.torch_dist`). ``export_job`` builds the model at any valid topology — not
 necessarily the one it was saved at — loads the torch_dist checkpoint into it and writes a complete HF
 checkpoint through Megatron-Bridge's ``export_hf_weights`` (config, tokenizer and non-language tensors
-copied from ``--hf-checkpoint``). At the default topology the routed experts bypass the model in both
-directions (:mod:`~vime_gemma4_bridge.convert.stream_import`, :mod:`~vime_gemma4_bridge.convert.stream_export`).
+copied from ``--hf-checkpoint``). Both run the steps of a conversion path
+(:mod:`~vime_gemma4_bridge.convert.paths`): at the default topology the routed experts bypass the
+model in both directions (:mod:`~vime_gemma4_bridge.convert.stream_import`,
+:mod:`~vime_gemma4_bridge.convert.stream_export`).
 
 Both write into a hidden partial sibling committed only when complete
 (:mod:`vime_gemma4_bridge.io.commit`), so an interrupted run never leaves anything at ``DIR`` / ``OUT``;
@@ -26,7 +28,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.io import torch_dist
 from vime_gemma4_bridge.io.commit import commit_directory
@@ -87,7 +88,7 @@ def import_job(
     from megatron.core.utils import get_model_config
 
     from vime_gemma4_bridge.convert import model as convert
-    from vime_gemma4_bridge.convert import stream_import
+    from vime_gemma4_bridge.convert import paths
     from vime_gemma4_bridge.convert.topology import init_model_parallel
     from vime_gemma4_bridge.io import hf as hf_io
 
@@ -108,21 +109,15 @@ def import_job(
                 model = convert.build_model(bridge, topology, initialize=False)
                 get_model_config(model[0]).perform_initialization = True
                 source = hf_io.HFCheckpoint(hf_checkpoint)
-                plan = stream_import.plan_import(bridge, model, source) if topology == Topology() else None
-            how = " (every weight streamed from the HF shards into torch_dist items)" if plan else ""
+                path = paths.import_path(bridge, model, source, topology)
             if rank0:
                 (work / ITERATION_DIR).mkdir()
-            streaming = plan is not None and rank0  # one writer: the other ranks hold replicas
-            with plan.streaming(work / ITERATION_DIR) if streaming else contextlib.nullcontext() as stream:
-                with phases("load_hf", f"loading {hf_checkpoint}{how}"):
-                    if plan is None:
-                        bridge.load_hf_weights(model)
-                    elif stream is not None:
-                        stream.convert(seams.model_bridge_of(bridge), bridge.hf_pretrained.state)
+            with path.writing(work / ITERATION_DIR):
+                with phases("load_hf", f"loading {hf_checkpoint}{path.how}"):
+                    path.load()
                 dist.barrier()
                 with phases("save", f"saving torch_dist to {out}"):
-                    leave_out = plan.streamed_params() if plan else ()
-                    torch_dist.save_torch_dist(model, work / ITERATION_DIR, leave_out=leave_out)
+                    torch_dist.save_torch_dist(model, work / ITERATION_DIR, leave_out=path.leave_out())
             result: dict[str, Any] | None = None
             if rank0:
                 signature = source.signatures(source.language_model_names())
@@ -150,7 +145,7 @@ def import_job(
                     "topology": str(topology),
                     "parallel": vars(topology),
                     "world_size": dist.get_world_size(),
-                    "experts_streamed": plan is not None,
+                    "experts_streamed": path.streamed,
                     "tensors": len(signature),
                     "bytes": tensor_bytes,
                     "seconds": round(time.perf_counter() - start, 3),
@@ -178,10 +173,9 @@ def export_job(
     import torch.distributed as dist
 
     from vime_gemma4_bridge.convert import model as convert
-    from vime_gemma4_bridge.convert import stream_export
+    from vime_gemma4_bridge.convert import paths
     from vime_gemma4_bridge.convert.topology import init_model_parallel
     from vime_gemma4_bridge.io import hf as hf_io
-    from vime_gemma4_bridge.io.torch_dist_reader import TorchDistReader
 
     start = time.perf_counter()
     phases = _Phases("export")
@@ -193,33 +187,14 @@ def export_job(
             bridge = convert.open_bridge(hf_checkpoint)
             # Every weight is read next (or streamed past the model): random init would be wasted.
             model = convert.build_model(bridge, topology, initialize=False)
-            plan = None
-            if topology == Topology():
-                reader = stack.enter_context(contextlib.closing(TorchDistReader(iteration_dir)))
-                plan = stream_export.plan_export(bridge, model, reader)
-        how = " (routed experts streamed to the HF shards)" if plan else ""
-        # Reading whole chunks and exporting at TP1·PP1·EP1 involves no collective: with direct reads
-        # rank 0 alone does it, the others would only compete for the same cores.
-        works = plan is None or plan.direct is None or rank0
-        exported: dict[str, Any] = {}
-        with phases("load", f"loading torch_dist {iteration_dir}{how}"):
-            if plan is None:
-                torch_dist.load_torch_dist(model, iteration_dir)
-            elif plan.direct is None:
-                torch_dist.load_torch_dist(model, iteration_dir, streamed=plan.experts.modules())
-            elif works:
-                plan.check_direct(reader)  # every chunk stored whole: read as the writer needs it
+            # open until the HF checkpoint is written: lazy tensors read from the checkpoint's files
+            path = stack.enter_context(paths.export_path(bridge, model, topology, iteration_dir))
+        with phases("load", f"loading torch_dist {iteration_dir}{path.how}"):
+            path.load(iteration_dir)
         source = hf_io.HFCheckpoint(hf_checkpoint)
         signature = source.signatures(source.language_model_names()) if rank0 else {}
         with phases("export", "exporting to HF names"):
-            if plan is None:
-                exported = convert.collect_on_rank0(bridge, model)
-            elif plan.direct is not None and works:
-                exported = plan.lazy_tensors(bridge, model, reader, signature)
-            elif works:
-                exported = convert.collect_on_rank0(bridge, model, conversion_tasks=plan.other_tasks)
-            if plan is not None and rank0:
-                exported.update(stream_export.streamed_export_tensors(plan.experts, reader))
+            exported = path.export(signature)
         result: dict[str, Any] | None = None
         if rank0:
             _check_exported(exported, signature)
@@ -239,8 +214,8 @@ def export_job(
                 "topology": str(topology),
                 "parallel": vars(topology),
                 "world_size": dist.get_world_size(),
-                "experts_streamed": plan is not None,
-                "loader": "direct" if plan is not None and plan.direct is not None else "dist_checkpointing",
+                "experts_streamed": path.streamed,
+                "loader": path.loader,
                 "tensors": len(exported),
                 "bytes": tensor_bytes,
                 "seconds": round(time.perf_counter() - start, 3),
