@@ -14,7 +14,6 @@ difference is detected from the code itself, never from a version string:
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 from functools import cache
 from typing import Any
@@ -57,11 +56,13 @@ def mappings_keep_pg_collection() -> bool:
 
 
 def te_available() -> bool:
-    """Whether Transformer Engine can be imported here: TE modules and fusions, or the CPU twins."""
-    try:
-        return importlib.util.find_spec("transformer_engine") is not None
-    except (ImportError, ValueError):
-        return False
+    """Whether Transformer Engine imports here: TE modules and fusions, or the CPU twins (core/spec.py).
+
+    te_guard answers it: that module must import nothing of the package, since it also runs standalone.
+    """
+    from vime_gemma4_bridge.compat import te_guard
+
+    return te_guard.te_available()
 
 
 def build_kind() -> str:

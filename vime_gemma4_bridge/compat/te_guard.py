@@ -25,8 +25,6 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from vime_gemma4_bridge.compat import seams
-
 #: Megatron-Bridge modules whose top level imports TE without a guard.
 UNGUARDED_TE_IMPORTERS = frozenset({"megatron.bridge.peft.lora_layers"})
 
@@ -87,9 +85,17 @@ class _GuardFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+def te_available() -> bool:
+    """Whether Transformer Engine's PyTorch package can be imported here."""
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def install() -> bool:
     """Install the scoped guard when TE is absent; return whether it is active. Idempotent."""
-    if seams.te_available():
+    if te_available():
         return False
     if not any(isinstance(f, _GuardFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _GuardFinder())

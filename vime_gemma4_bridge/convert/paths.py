@@ -3,8 +3,9 @@
 The general path is Megatron-Bridge's and megatron-core's alone: every HF weight loaded into the
 model and saved (import), or the checkpoint loaded into the model and every weight exported
 (export). At the default topology (TP1·PP1·EP1·ETP1) a streamed path may replace parts of it
-(docs/UPSTREAM.md 18, 19, 25): the import writes every weight straight from the HF shards into
-torch_dist items (:mod:`~vime_gemma4_bridge.convert.stream_import`); the export reads the routed
+(the gaps they cover are docs/UPSTREAM.md's entries on the two streaming modules): the import
+writes every weight straight from the HF shards into torch_dist items
+(:mod:`~vime_gemma4_bridge.convert.stream_import`); the export reads the routed
 experts — and, when every chunk is stored whole, all other weights — straight from the torch_dist
 files (:mod:`~vime_gemma4_bridge.convert.stream_export`). Which path applies is decided here once
 (:func:`import_path`, :func:`export_path`); the jobs (:mod:`~vime_gemma4_bridge.convert.torch_dist_jobs`)
