@@ -163,7 +163,7 @@ def test_parity_notices_breakage(local_world, checkpoints: dict[str, Path], brea
 MULTI_RANK_CASES = [
     ("moe-vl", Topology(tp=2, pp=2, ep=2)),
     ("moe-causal", Topology(tp=2, pp=2, ep=2)),
-    ("dense-vl", Topology(tp=2)),  # Megatron-Bridge's dense provider is PP=1: TP only
+    ("dense-vl", Topology(tp=2)),  # dense at PP: tests/test_family.py
     ("moe-causal", Topology(tp=2, ep=2, etp=2)),
     ("moe-vl", Topology(tp=2, pp=2, vpp=2)),
     ("moe-vocab-1001", Topology(tp=2, pp=2, ep=2)),  # the padding rows are not compared: only the real ones

@@ -173,22 +173,24 @@ def test_explicit_register_raises_what_prevents_it() -> None:
     assert "ImportError: simulated: cannot import vime_gemma4_bridge.core.model" in proc.stderr
 
 
-def test_dense_gemma4_is_refused_in_one_line_without_the_builds_dense_provider(tmp_path: Path) -> None:
-    """On a build without Megatron-Bridge's Gemma4DenseProvider (simulated: core/dense.py cannot import)."""
-    from vime_gemma4_bridge.testing.spec import TinySpec
+def test_dense_gemma4_needs_no_dense_provider_of_the_build(tmp_path: Path) -> None:
+    """A build without Megatron-Bridge's Gemma4DenseProvider (simulated: removed after import, as on
+    vime's fork) builds the dense model, and ``env`` reports both models available (issue 22)."""
+    from vime_gemma4_bridge.testing.spec import DENSE_SHAPES
     from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 
-    dense = write_tiny_checkpoint(tmp_path / "dense", TinySpec(moe=False, seed=2))
-    block = BLOCK_PLUGIN_MODEL.replace("vime_gemma4_bridge.core.model", "vime_gemma4_bridge.core.dense")
+    dense = write_tiny_checkpoint(tmp_path / "e2b", DENSE_SHAPES["e2b"])
     script = (
-        block + "import vime_gemma4_bridge\nfrom megatron.bridge import AutoBridge\n"
-        f"try:\n    AutoBridge.from_hf_pretrained({str(dense)!r}).to_megatron_provider(load_weights=False)\n"
-        "except Exception as error:\n    print(f'{type(error).__name__}: {error}')\n"
+        "import argparse, vime_gemma4_bridge\nfrom megatron.bridge import AutoBridge\n"
+        "import megatron.bridge.models.gemma as gemma, megatron.bridge.models.gemma.gemma4_provider as p\n"
+        "del p.Gemma4DenseProvider, gemma.Gemma4DenseProvider\n"
+        f"provider = AutoBridge.from_hf_pretrained({str(dense)!r}).to_megatron_provider(load_weights=False)\n"
+        "print('provider', type(provider).__name__, provider.num_kv_shared_layers, provider.use_double_wide_mlp)\n"
+        "from vime_gemma4_bridge.cli import env\nraise SystemExit(env.run(argparse.Namespace(vime=False)))\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("UnsupportedCheckpoint")]
-    assert line.startswith(
-        "UnsupportedCheckpoint: dense Gemma 4 needs Megatron-Bridge's Gemma4DenseProvider, which this "
-        "Megatron-Bridge build lacks (simulated: cannot import vime_gemma4_bridge.core.dense)"
-    ), line
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "provider Gemma4DenseTextModelProvider 5 True" in proc.stdout
+    (row,) = [line for line in proc.stdout.splitlines() if line.startswith("Gemma 4 models")]
+    assert row.split(None, 3)[3].startswith("MoE 26B-A4B (Gemma4TextModelProvider) and dense 31B / E4B / E2B"), row
+    assert "unavailable" not in proc.stdout and "env OK" in proc.stdout

@@ -46,7 +46,7 @@ MOE_MATRIX = [
 ]
 #: The reported topology (TP2·PP2·EP4, with ETP2 as in the upstream fix's validation): 16 ranks.
 REPORTED = Topology(tp=2, pp=2, ep=4, etp=2)
-# Megatron-Bridge's dense Gemma 4 provider is PP=1 (and has no experts): tensor parallel only.
+# The dense model at TP (the family at PP and VPP: tests/test_family.py); it has no experts to split.
 DENSE_MATRIX = [(2, Topology()), (2, Topology(tp=2)), (4, Topology(tp=4))]
 
 CASES = sorted(

@@ -162,6 +162,31 @@ def test_cli_refuses_non_empty_out_and_force_replaces(tmp_path: Path, capsys: py
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_cli_writes_a_family_member_like_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``tiny --like e2b``: the E2B-shaped spec of the family tests (PLE, 5 KV-shared layers, double-wide MLP)."""
+    import json
+
+    out = tmp_path / "e2b"
+    assert cli.main(["tiny", str(out), "--like", "e2b", "--causal-lm"]) == 0
+    assert "Gemma4ForCausalLM (dense, 8 layers" in capsys.readouterr().out
+    text = json.loads((out / "config.json").read_text())
+    special = (text["num_kv_shared_layers"], text["use_double_wide_mlp"], text["hidden_size_per_layer_input"])
+    assert special == (5, True, 4)
+    saved = _read(out)
+    widths = [saved[f"model.layers.{i}.mlp.down_proj.weight"].shape[1] for i in (0, 3)]
+    assert widths[1] == 2 * widths[0]
+    assert not any(".layers.3.self_attn.k_proj" in name for name in saved)
+
+
+def test_probe_refuses_a_dense_checkpoint_saying_what_to_use(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "e4b"
+    assert cli.main(["tiny", str(out), "--like", "e4b"]) == 0
+    capsys.readouterr()
+    assert cli.main(["probe", "--hf-checkpoint", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "this checkpoint is dense" in err[0] and "vime-gemma4 roundtrip" in err[0], err
+
+
 def test_cli_writes_into_empty_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "empty"
     out.mkdir()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,8 +16,12 @@ from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX
 from vime_gemma4_bridge.core.layer_pattern import (
     FULL,
     SLIDING,
+    has_double_wide_mlp,
+    is_kv_shared_layer,
+    is_kv_source_layer,
     is_sliding_layer,
-    layer_type_rank,
+    kv_shared_types,
+    layer_group_rank,
     pattern_from_layer_types,
 )
 from vime_gemma4_bridge.testing.spec import TinySpec
@@ -62,7 +67,23 @@ def test_layer_pattern() -> None:
     types = [SLIDING, SLIDING, FULL, FULL, SLIDING, FULL]
     config = dataclasses.make_dataclass("C", [("layer_types", list)])(pattern_from_layer_types(types))
     assert [is_sliding_layer(config, n) for n in range(1, 7)] == [True, True, False, False, True, False]
-    assert [layer_type_rank(config, n) for n in range(1, 7)] == [(0, 3), (1, 3), (0, 3), (1, 3), (2, 3), (2, 3)]
+    config.num_layers = 6
+    by_type = [layer_group_rank(config, n, lambda m: config.layer_types[m - 1]) for n in range(1, 7)]
+    assert by_type == [(0, 3), (1, 3), (0, 3), (1, 3), (2, 3), (2, 3)]
+
+
+def test_kv_sharing_pattern() -> None:
+    """E2B-style: the last 3 of 6 layers read K/V; each shared type's source is its last earlier layer."""
+    types = [SLIDING, FULL, SLIDING, SLIDING, SLIDING, FULL]
+    config = SimpleNamespace(layer_types=types, num_layers=6, num_kv_shared_layers=3, use_double_wide_mlp=True)
+    assert [is_kv_shared_layer(config, n) for n in range(1, 7)] == [False] * 3 + [True] * 3
+    assert kv_shared_types(config) == [SLIDING, FULL]
+    assert [is_kv_source_layer(config, n) for n in range(1, 7)] == [False, True, True, False, False, False]
+    assert [has_double_wide_mlp(config, n) for n in range(1, 7)] == [False] * 3 + [True] * 3
+    config.use_double_wide_mlp = False
+    assert not any(has_double_wide_mlp(config, n) for n in range(1, 7))
+    config.num_kv_shared_layers = 0
+    assert not any(is_kv_shared_layer(config, n) or is_kv_source_layer(config, n) for n in range(1, 7))
     with pytest.raises(ValueError, match="unsupported Gemma 4 layer types"):
         pattern_from_layer_types([SLIDING, "chunked_attention"])
 
@@ -270,7 +291,7 @@ def test_help_imports_no_torch() -> None:
 
 #: Upstream private names the plugin needs (issue 23): reached only through compat/seams.py.
 PRIVATE_UPSTREAM_NAMES = re.compile(
-    r"\._model_bridge\b|_build_dense_provider|_convert_value_to_dict|_clean_metadata_for_serialization"
+    r"\._model_bridge\b|_convert_value_to_dict|_clean_metadata_for_serialization"
     r"|_StorageInfo|\._unwrap_name\b"
 )
 
@@ -285,7 +306,14 @@ def test_upstream_private_names_only_in_compat() -> None:
     }
     assert {path: names for path, names in outside.items() if names} == {}
     seams = (root / "compat" / "seams.py").read_text()
-    assert len(set(PRIVATE_UPSTREAM_NAMES.findall(seams))) == 6, "the seams no longer hold the six names"
+    assert len(set(PRIVATE_UPSTREAM_NAMES.findall(seams))) == 5, "the seams no longer hold the five names"
+
+
+def test_no_module_imports_upstream_gemma_models() -> None:
+    """Both Gemma 4 models are the plugin's: no module imports Megatron-Bridge's gemma / gemma_vl code (issue 22)."""
+    root = REPO / "vime_gemma4_bridge"
+    hits = [str(path) for path in root.rglob("*.py") if "megatron.bridge.models.gemma" in path.read_text()]
+    assert hits == []
 
 
 def test_core_is_liftable() -> None:

@@ -52,6 +52,7 @@ def collect(vime: bool) -> tuple[list[tuple[str, str]], list[str]]:
     rows.append(("  build_conversion_tasks weight_dtype", _yes(described["build_conversion_tasks weight_dtype"])))
     rows.append(("  mappings keep _pg_collection", _yes(described["mappings keep _pg_collection"])))
     problems += _check("registration", rows, _dispatched_bridges)
+    problems += _check("Gemma 4 models", rows, _models)
     if te:
         problems += _check("TE modules", rows, lambda: _imports("vime_gemma4_bridge.core.te_modules"))
     if described["build"] == "vime fork":
@@ -71,6 +72,16 @@ def _yes(flag: bool) -> str:
 def _imports(module: str) -> str:
     importlib.import_module(module)
     return "import"
+
+
+def _models() -> str:
+    """Both Gemma 4 models are the plugin's: they need no Gemma 4 code of the installed Megatron-Bridge."""
+    from vime_gemma4_bridge.core.provider import Gemma4DenseTextModelProvider, Gemma4TextModelProvider
+
+    return (
+        f"MoE 26B-A4B ({Gemma4TextModelProvider.__name__}) and dense 31B / E4B / E2B "
+        f"({Gemma4DenseTextModelProvider.__name__}): the plugin's own, on any build"
+    )
 
 
 def _dispatched_bridges() -> str:

@@ -71,7 +71,10 @@ def run(args: argparse.Namespace) -> int:
     def chosen(topology: Topology, source: HFCheckpoint) -> tuple[list[int] | None, list[int] | None]:
         text = text_config_dict(source.config)
         if not text.get("enable_moe_block"):
-            raise ValueError("probe follows routed experts; this checkpoint is dense (no enable_moe_block)")
+            raise ValueError(
+                "probe follows routed experts, and this checkpoint is dense (no enable_moe_block): "
+                "use vime-gemma4 roundtrip (it names every tensor that differs) and vime-gemma4 compare"
+            )
         experts = parse_id_list(args.experts, int(text["num_experts"]), "--experts") if args.experts else None
         layers = parse_id_list(args.layers, int(text["num_hidden_layers"]), "--layers") if args.layers else None
         return experts, layers

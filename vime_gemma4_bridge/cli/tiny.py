@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from vime_gemma4_bridge.cli import errors
-from vime_gemma4_bridge.testing.spec import DTYPES, TinySpec
+from vime_gemma4_bridge.testing.spec import DENSE_SHAPES, DTYPES, TinySpec
 from vime_gemma4_bridge.testing.tokenizer import MIN_VOCAB_SIZE
 
 PROG = "vime-gemma4 tiny"
@@ -44,6 +45,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     kind.add_argument(
         "--dense", action="store_true", help="dense text model (no router/experts); enables PLE and KV sharing knobs"
+    )
+    kind.add_argument(
+        "--like",
+        choices=sorted(DENSE_SHAPES),
+        default=None,
+        help="a dense family member's tiny shape (what is special in it, docs/MODEL.md); only --causal-lm, "
+        "--seed and --dtype still apply",
     )
     size = p.add_argument_group("sizes")
     size.add_argument("--layers", type=int, default=d.layers, help="decoder layers (PP x VPP must divide it)")
@@ -91,6 +99,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     dense.add_argument(
         "--kv-shared-layers", type=int, default=d.kv_shared_layers, help="last N layers reuse earlier K/V"
     )
+    dense.add_argument(
+        "--double-wide-mlp", action="store_true", help="the KV-shared layers' MLP is twice as wide (as in E2B)"
+    )
     out = p.add_argument_group("output")
     out.add_argument("--seed", type=int, default=d.seed, help="seed of every tensor draw")
     out.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="stored dtype")
@@ -100,6 +111,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def spec_from_args(args: argparse.Namespace) -> TinySpec:
     """Turn parsed ``tiny`` arguments into a :class:`TinySpec` (raises ``ValueError`` if invalid)."""
+    if getattr(args, "like", None):
+        seed = args.seed if args.seed != TinySpec().seed else DENSE_SHAPES[args.like].seed
+        return dataclasses.replace(DENSE_SHAPES[args.like], causal_lm=args.causal_lm, seed=seed, dtype=args.dtype)
     return TinySpec(
         layers=args.layers,
         layer_types=args.layer_types,
@@ -122,6 +136,7 @@ def spec_from_args(args: argparse.Namespace) -> TinySpec:
         causal_lm=args.causal_lm,
         per_layer_input_size=args.per_layer_input_size,
         kv_shared_layers=args.kv_shared_layers,
+        double_wide_mlp=args.double_wide_mlp,
     )
 
 

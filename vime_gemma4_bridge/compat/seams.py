@@ -126,10 +126,3 @@ def storage_info_class() -> type:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo
-
-
-def dense_provider_from_hf(text_config: Any) -> Any:
-    """Megatron-Bridge's dense Gemma 4 provider for ``text_config`` (``Gemma4Bridge._build_dense_provider``)."""
-    from megatron.bridge.models.gemma.gemma4_bridge import Gemma4Bridge
-
-    return Gemma4Bridge()._build_dense_provider(text_config)

@@ -1,9 +1,8 @@
 """The CPU-host adapter: what a model built by the Gemma 4 providers needs on a host without CUDA.
 
 megatron-core assumes CUDA in places that take no device argument (docs/UPSTREAM.md 11, C1, P3):
-the tied-embedding all-reduce of a PP > 1 build moves the weight to CUDA, the dense RoPE and the
-forward's gathers, buffers, masks and router allocate on ``torch.cuda.current_device()``, and the
-local ``DotProductAttention`` takes its scores from a CUDA buffer. The model code (core/) is what
+the tied-embedding all-reduce of a PP > 1 build moves the weight to CUDA, and the forward's
+gathers, buffers, masks and router allocate on ``torch.cuda.current_device()``. The model code (core/) is what
 an upstream pull request would contain, so it stays free of these run-time patches; this adapter
 applies them where the model is built (:func:`vime_gemma4_bridge.convert.model.build_model`, and
 any caller building a provider's model on a CPU host), and only where CUDA is absent. On a GPU
@@ -16,11 +15,9 @@ import functools
 from typing import Any
 
 import torch
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import nn
 
 from vime_gemma4_bridge.compat.cuda import host_cuda_device, tensors_stay_on_host
-from vime_gemma4_bridge.core.cpu_modules import HostDotProductAttention
 
 
 def provide_model(provider: Any, **kwargs: Any) -> list[nn.Module]:
@@ -39,16 +36,12 @@ def provide_model(provider: Any, **kwargs: Any) -> list[nn.Module]:
 def prepare_host_forward(model: nn.Module) -> nn.Module:
     """Let a built Gemma 4 ``GPTModel`` run its forward pass on a host without CUDA. In place.
 
-    Every plain megatron-core ``DotProductAttention`` (the dense model's core attention) becomes a
-    :class:`~vime_gemma4_bridge.core.cpu_modules.HostDotProductAttention` (no parameters: names,
-    shapes and checkpoints unchanged), and the model's forward runs inside :func:`host_cuda_device`.
+    The model's forward runs inside :func:`host_cuda_device` (its core attention is already the
+    host twin, :class:`~vime_gemma4_bridge.core.cpu_modules.Gemma4DotProductAttention`, by the spec).
     Does nothing where CUDA exists, or twice.
     """
     if torch.cuda.is_available() or getattr(model, "_vime_host_forward", False):
         return model
-    for module in model.modules():
-        if type(module) is DotProductAttention:
-            HostDotProductAttention.adopt(module)
     forward = model.forward
 
     @functools.wraps(forward)

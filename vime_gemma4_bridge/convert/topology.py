@@ -160,11 +160,8 @@ def validate_model_topology(config: Mapping[str, Any], topology: Topology) -> No
     for what, count, parts, flag in checks:
         if count % parts:
             raise TopologyError(f"{count} {what} do not divide by {flag} {parts}; choose a divisor of {count}")
-    if not moe and (topology.pp > 1 or topology.ep > 1):
-        raise TopologyError(
-            "dense Gemma 4 supports --pp 1 and --ep 1 only (Megatron-Bridge's Gemma4DenseProvider is PP=1); "
-            "use --tp to split it"
-        )
+    if not moe and topology.ep > 1:
+        raise TopologyError("dense Gemma 4 has no experts to split: use --ep 1 (and --tp / --pp to split it)")
 
 
 def _seed_everything(seed: int) -> None:

@@ -7,8 +7,8 @@ classes and conversion tasks). What is Gemma 4's own (each a gap listed in docs/
 * one bridge for ``Gemma4ForCausalLM`` (HF names under ``model.``) and for the language model of
   ``Gemma4ForConditionalGeneration`` (under ``model.language_model.``): the vision/audio towers
   never enter Megatron, and the export streams exactly the HF language-model tensors;
-* the MoE model is this plugin's (:mod:`~vime_gemma4_bridge.core.provider`), with or without TE;
-  the dense model is the installed build's, where it has one (:mod:`~vime_gemma4_bridge.core.dense`);
+* both models are this plugin's (:mod:`~vime_gemma4_bridge.core.provider`), with or without TE:
+  the MoE (26B-A4B) and the dense members (E2B, E4B, 31B: :mod:`~vime_gemma4_bridge.core.dense`);
 * attention_k_eq_v: full layers have no ``v_proj`` in HF (V = K on import, dropped on export);
 * Megatron weights in the checkpoint's own dtype (a bf16 copy of an fp32 checkpoint is lossy);
 * refusals instead of silent skips: a Megatron parameter without a mapping, a persistent buffer
@@ -33,18 +33,16 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 
 from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.compat.mappings import (
-    AutoMapping,
     ColumnParallel,
     ColumnParallelQKVMapping,
     FusedGatedExpertMapping,
     Replicated,
-    ReplicatedMapping,
     RowParallel,
     RowParallelFusedExpertMapping,
 )
 from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX, global_kv_heads
 from vime_gemma4_bridge.core.layer_pattern import FULL, SLIDING, pattern_from_layer_types
-from vime_gemma4_bridge.core.provider import Gemma4TextModelProvider
+from vime_gemma4_bridge.core.provider import Gemma4DenseTextModelProvider, Gemma4TextModelProvider
 from vime_gemma4_bridge.core.tied import broadcast_tied_embeddings, check_tied_embeddings
 
 MappingTable = tuple[tuple[type, str, str | dict[str, str]], ...]
@@ -71,23 +69,24 @@ SHARED_MAPPING_ROWS: MappingTable = (
     ),
     (Replicated, "decoder.layers.*.self_attention.q_layernorm.weight", "layers.*.self_attn.q_norm.weight"),
     (Replicated, "decoder.layers.*.self_attention.k_layernorm.weight", "layers.*.self_attn.k_norm.weight"),
+    (
+        Replicated,
+        "decoder.layers.*.self_attention.linear_qkv.layer_norm_weight",
+        "layers.*.input_layernorm.weight",
+    ),
     (RowParallel, "decoder.layers.*.self_attention.linear_proj.weight", "layers.*.self_attn.o_proj.weight"),
+    (
+        Replicated,
+        "decoder.layers.*.self_attention.linear_proj.post_layernorm.weight",
+        "layers.*.post_attention_layernorm.weight",
+    ),
+    (Replicated, "decoder.layers.*.post_ffn_layernorm.weight", "layers.*.post_feedforward_layernorm.weight"),
     (Replicated, "decoder.layers.*.layer_scalar", "layers.*.layer_scalar"),
 )
 
 # The MoE model: its modules are the plugin's (core/model.py, core/spec.py).
 MOE_MAPPING_TABLE: MappingTable = (
     *SHARED_MAPPING_ROWS,
-    (
-        Replicated,
-        "decoder.layers.*.self_attention.linear_qkv.layer_norm_weight",
-        "layers.*.input_layernorm.weight",
-    ),
-    (
-        Replicated,
-        "decoder.layers.*.self_attention.linear_proj.post_layernorm.weight",
-        "layers.*.post_attention_layernorm.weight",
-    ),
     # feed-forward: dense MLP ("shared expert") beside the routed experts, each with its norms
     (
         Replicated,
@@ -117,37 +116,29 @@ MOE_MAPPING_TABLE: MappingTable = (
         "decoder.layers.*.mlp.post_moe_layernorm.weight",
         "layers.*.post_feedforward_layernorm_2.weight",
     ),
-    (Replicated, "decoder.layers.*.post_ffn_layernorm.weight", "layers.*.post_feedforward_layernorm.weight"),
 )
 
 
-# The dense model (E2B/E4B/31B style): Megatron-Bridge's dense Gemma 4 layout. Its modules are the
-# build's, so the rows below the shared ones let ``AutoMapping`` detect their parallelism.
+# The dense model (E2B / E4B / 31B): core/dense.py. KV-shared layers have a query projection
+# only (``linear_q``); the per-layer embeddings (PLE) live in the embedding and in each layer.
 DENSE_MAPPING_TABLE: MappingTable = (
     *SHARED_MAPPING_ROWS,
-    # per-layer embeddings (PLE)
-    (AutoMapping, "per_layer_embedding.weight", "embed_tokens_per_layer.weight"),
-    (AutoMapping, "per_layer_model_proj.weight", "per_layer_model_projection.weight"),
-    (ReplicatedMapping, "per_layer_proj_norm.weight", "per_layer_projection_norm.weight"),
-    (ReplicatedMapping, "decoder.layers.*.per_layer_input_gate.weight", "layers.*.per_layer_input_gate.weight"),
-    (ReplicatedMapping, "decoder.layers.*.per_layer_projection.weight", "layers.*.per_layer_projection.weight"),
-    (
-        ReplicatedMapping,
-        "decoder.layers.*.post_per_layer_input_norm.weight",
-        "layers.*.post_per_layer_input_norm.weight",
-    ),
-    # attention (kv-shared layers have no k/v projections in HF: maybe_modify_loaded_hf_weight)
-    (AutoMapping, "decoder.layers.*.input_layernorm.weight", "layers.*.input_layernorm.weight"),
-    (AutoMapping, "decoder.layers.*.post_self_attn_layernorm.weight", "layers.*.post_attention_layernorm.weight"),
-    # MLP
-    (AutoMapping, "decoder.layers.*.pre_mlp_layernorm.weight", "layers.*.pre_feedforward_layernorm.weight"),
+    (ColumnParallel, "decoder.layers.*.self_attention.linear_q.weight", "layers.*.self_attn.q_proj.weight"),
+    (Replicated, "decoder.layers.*.self_attention.linear_q.layer_norm_weight", "layers.*.input_layernorm.weight"),
+    (Replicated, "decoder.layers.*.mlp.linear_fc1.layer_norm_weight", "layers.*.pre_feedforward_layernorm.weight"),
     (
         GatedMLPMapping,
         "decoder.layers.*.mlp.linear_fc1.weight",
         {"gate": "layers.*.mlp.gate_proj.weight", "up": "layers.*.mlp.up_proj.weight"},
     ),
-    (AutoMapping, "decoder.layers.*.mlp.linear_fc2.weight", "layers.*.mlp.down_proj.weight"),
-    (AutoMapping, "decoder.layers.*.post_mlp_layernorm.weight", "layers.*.post_feedforward_layernorm.weight"),
+    (RowParallel, "decoder.layers.*.mlp.linear_fc2.weight", "layers.*.mlp.down_proj.weight"),
+    # per-layer embeddings (PLE): the token table is vocabulary-parallel, the projections are replicated
+    (ColumnParallel, "embedding.per_layer_embedding.weight", "embed_tokens_per_layer.weight"),
+    (Replicated, "embedding.per_layer_model_projection.weight", "per_layer_model_projection.weight"),
+    (Replicated, "embedding.per_layer_projection_norm.weight", "per_layer_projection_norm.weight"),
+    (Replicated, "decoder.layers.*.per_layer_input_gate.weight", "layers.*.per_layer_input_gate.weight"),
+    (Replicated, "decoder.layers.*.per_layer_projection.weight", "layers.*.per_layer_projection.weight"),
+    (Replicated, "decoder.layers.*.post_per_layer_input_norm.weight", "layers.*.post_per_layer_input_norm.weight"),
 )
 
 
@@ -225,27 +216,19 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
         return one_stack_at_a_time(tasks)
 
     def maybe_modify_loaded_hf_weight(self, hf_param: str | dict[str, str], hf_state_dict: Any) -> Any:
-        """Supply what HF leaves out: V = K on k_eq_v full layers, zero K/V on KV-shared layers, and
-        the PLE table's padding rows (upstream's mapping pads only the embedding and output layer).
+        """Supply what HF leaves out: V = K on k_eq_v full layers, and the PLE table's padding rows
+        (upstream's mapping pads only the embedding and output layer).
         """
         if isinstance(hf_param, str) and hf_param.endswith("embed_tokens_per_layer.weight"):
             return self._padded_per_layer_table(super().maybe_modify_loaded_hf_weight(hf_param, hf_state_dict))
-        if not isinstance(hf_param, dict) or set(hf_param) != {"q", "k", "v"}:
+        if not isinstance(hf_param, dict) or set(hf_param) != {"q", "k", "v"} or not self._absent_in_hf(hf_param["v"]):
             return super().maybe_modify_loaded_hf_weight(hf_param, hf_state_dict)
-        absent = {role for role, name in hf_param.items() if self._absent_in_hf(name)}
-        weights = {role: hf_state_dict[name] for role, name in hf_param.items() if role not in absent}
-        if absent == {"v"}:
-            weights["v"] = weights["k"].clone()
-        elif absent == {"k", "v"}:
-            text = self._text_config()
-            head_dim = weights["q"].shape[0] // text.num_attention_heads
-            kv_heads = global_kv_heads(text) if _layer_type(text, hf_param["q"]) == FULL else text.num_key_value_heads
-            weights["k"] = weights["q"].new_zeros((kv_heads * head_dim, weights["q"].shape[1]))
-            weights["v"] = torch.zeros_like(weights["k"])
+        weights = {role: hf_state_dict[hf_param[role]] for role in ("q", "k")}
+        weights["v"] = weights["k"].clone()
         return weights
 
     def maybe_modify_converted_hf_weight(self, task: Any, converted_weights_dict: dict, hf_state_dict: Any) -> dict:
-        """Drop what exists only on the Megatron side: the k/v projections HF leaves out
+        """Drop what exists only on the Megatron side: the V projection HF leaves out
         (:meth:`maybe_modify_loaded_hf_weight`) and the vocabulary's padding rows (:meth:`provider_bridge`).
         """
         return {
@@ -261,7 +244,7 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
         return tensor[:rows] if rows and tensor.shape[0] > rows else tensor
 
     def _padded_per_layer_table(self, table: torch.Tensor) -> torch.Tensor:
-        """The HF PLE table with zero rows up to the Megatron table's size (see ``core/dense.py``)."""
+        """The HF PLE table with zero rows up to the Megatron table's size (``core/dense.per_layer_vocab_size``)."""
         from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
         from megatron.core import parallel_state
 
@@ -275,16 +258,12 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
         )
 
     def _absent_in_hf(self, hf_name: str) -> bool:
-        """Whether the HF checkpoint has no such k/v projection (the config says so; no file is read)."""
-        match = re.search(r"layers\.(\d+)\.self_attn\.([kv])_proj\.weight$", hf_name)
-        if match is None:
-            return False
+        """Whether the HF checkpoint has no such projection: ``v_proj`` of a k_eq_v full layer (the config says so)."""
+        match = re.search(r"layers\.(\d+)\.self_attn\.v_proj\.weight$", hf_name)
         text = self._text_config()
-        layer, projection = int(match.group(1)), match.group(2)
-        shared = int(getattr(text, "num_kv_shared_layers", 0) or 0)
-        if shared and layer >= text.num_hidden_layers - shared:
-            return True
-        return projection == "v" and bool(getattr(text, "attention_k_eq_v", False)) and text.layer_types[layer] == FULL
+        return bool(
+            match and getattr(text, "attention_k_eq_v", False) and text.layer_types[int(match.group(1))] == FULL
+        )
 
     def _accumulate_grouped_export(
         self,
@@ -453,8 +432,8 @@ def upstream_config_kwargs(text: Any) -> dict[str, Any]:
     return kwargs  # Gemma4TextConfig defines every one of them (transformers' defaults where config.json is silent)
 
 
-def moe_provider(text: Any) -> Gemma4TextModelProvider:
-    """The MoE provider for a Gemma 4 text config (HF names on the right)."""
+def _common_settings(text: Any) -> dict[str, Any]:
+    """The provider settings of every Gemma 4 member (HF names on the right)."""
     rope = getattr(text, "rope_parameters", None) or {}
     full, sliding = rope.get(FULL) or {}, rope.get(SLIDING) or {}
     for layer_type, params, expected in ((FULL, full, "proportional"), (SLIDING, sliding, "default")):
@@ -462,41 +441,42 @@ def moe_provider(text: Any) -> Gemma4TextModelProvider:
             raise UnsupportedCheckpoint(
                 f"Gemma 4 {layer_type} RoPE {params} is not supported (expected rope_type={expected!r}, no factor)"
             )
-    return Gemma4TextModelProvider(
+    return {
         **upstream_config_kwargs(text),
-        layer_types=pattern_from_layer_types(text.layer_types),
-        window_size=text.sliding_window,
-        global_head_dim=text.global_head_dim or text.head_dim,
-        num_global_key_value_heads=global_kv_heads(text),
-        attention_k_eq_v=bool(getattr(text, "attention_k_eq_v", False)),
-        global_rotary_percent=float(full.get("partial_rotary_factor", 1.0)),
-        rotary_base=float(full.get("rope_theta", 1_000_000.0)),
-        local_rotary_base=float(sliding.get("rope_theta", 10_000.0)),
-        final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
+        "layer_types": pattern_from_layer_types(text.layer_types),
+        "window_size": text.sliding_window,
+        "global_head_dim": text.global_head_dim or text.head_dim,
+        "num_global_key_value_heads": global_kv_heads(text),
+        "attention_k_eq_v": bool(getattr(text, "attention_k_eq_v", False)),
+        "global_rotary_percent": float(full.get("partial_rotary_factor", 1.0)),
+        "rotary_base": float(full.get("rope_theta", 1_000_000.0)),
+        "local_rotary_base": float(sliding.get("rope_theta", 10_000.0)),
+        "final_logit_softcapping": getattr(text, "final_logit_softcapping", None),
+    }
+
+
+def moe_provider(text: Any) -> Gemma4TextModelProvider:
+    """The MoE provider for a Gemma 4 text config."""
+    return Gemma4TextModelProvider(
+        **_common_settings(text),
         moe_router_topk=text.top_k_experts,
         moe_shared_expert_intermediate_size=text.intermediate_size,
     )
 
 
-def dense_provider(text: Any) -> Any:
-    """The installed Megatron-Bridge's dense Gemma 4 provider, adjusted; refused where the build has none."""
-    try:
-        from vime_gemma4_bridge.core.dense import Gemma4DenseTextModelProvider, build_dense_provider
-    except ImportError as error:
-        raise UnsupportedCheckpoint(
-            "dense Gemma 4 needs Megatron-Bridge's Gemma4DenseProvider, which this Megatron-Bridge build lacks "
-            f"({error}); the MoE models (e.g. 26B-A4B) do not need it"
-        ) from None
-    upstream = build_dense_provider(text)
-    provider = Gemma4DenseTextModelProvider(
-        **{name: getattr(upstream, name) for name in upstream.__dataclass_fields__ if name != "transformer_layer_spec"}
+def dense_provider(text: Any) -> Gemma4DenseTextModelProvider:
+    """The dense provider (E2B / E4B / 31B) for a Gemma 4 text config."""
+    settings = _common_settings(text)
+    settings.pop("num_moe_experts", None)  # Gemma4TextConfig defines it for every member; dense has none
+    settings.pop("moe_ffn_hidden_size", None)
+    per_layer = int(getattr(text, "hidden_size_per_layer_input", 0) or 0)
+    return Gemma4DenseTextModelProvider(
+        **settings,
+        hidden_size_per_layer_input=per_layer,
+        vocab_size_per_layer_input=int(getattr(text, "vocab_size_per_layer_input", 0) or 0) if per_layer else 0,
+        num_kv_shared_layers=int(getattr(text, "num_kv_shared_layers", 0) or 0),
+        use_double_wide_mlp=bool(getattr(text, "use_double_wide_mlp", False)),
     )
-    provider.num_global_query_groups = global_kv_heads(text)
-    return provider
-
-
-def _layer_type(text: Any, hf_name: str) -> str:
-    return text.layer_types[int(re.search(r"layers\.(\d+)\.", hf_name).group(1))]
 
 
 def _config_dtype(config: Any) -> torch.dtype | None:

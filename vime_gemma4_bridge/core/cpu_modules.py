@@ -102,17 +102,6 @@ class HostDotProductAttention(DotProductAttention):
         self.host_window = self.scale_mask_softmax.window_size
         self.scale_mask_softmax.window_size = None
 
-    @classmethod
-    def adopt(cls, module: DotProductAttention) -> None:
-        """Turn an already built megatron-core ``DotProductAttention`` into this class, in place.
-
-        It has no parameters, so names, shapes and checkpoints are unchanged.
-        """
-        if type(module) is not DotProductAttention:
-            raise TypeError(f"expected megatron-core DotProductAttention, got {type(module).__name__}")
-        module.__class__ = cls
-        module._take_over_masking()
-
     def forward(
         self,
         query: Tensor,

@@ -25,12 +25,10 @@ differently (``transformers``' ``Gemma4TextDecoderLayer`` is the reference):
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any
 
 import torch
 from megatron.core import tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -42,7 +40,12 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 from torch import Tensor, nn
 
-from vime_gemma4_bridge.core.layer_pattern import is_sliding_layer, layer_type_rank
+from vime_gemma4_bridge.core.layer_pattern import (
+    is_kv_shared_layer,
+    is_kv_source_layer,
+    is_sliding_layer,
+    layer_group_rank,
+)
 
 
 def rms_norm(hidden_states: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -84,20 +87,64 @@ def attention_config(config: TransformerConfig, layer_number: int) -> Transforme
     return layer_config
 
 
-class Gemma4SelfAttention(SelfAttention):
-    """Self-attention of one Gemma 4 layer, sliding or full (see the module docstring)."""
+class OwnLayerStack:
+    """Mixin: torch_dist stacks this module's tensors with the layers of its own group only.
 
-    def __init__(self, config: TransformerConfig, layer_number: int, **kwargs: Any) -> None:
-        super().__init__(config=attention_config(config, layer_number), layer_number=layer_number, **kwargs)
+    megatron-core stacks a module's tensors over all layers (key ``decoder.layers.<name>.*``, layer
+    axis of size ``num_layers``). Modules whose shapes differ between layers (sliding vs full
+    attention, KV-shared attention without K/V, the double-wide MLP) cannot share one stack: each
+    group is its own, keyed ``<name><suffix>`` with the group's size on the layer axis. The layer
+    axis is handed in, so megatron-core builds every entry (factories and objects included); the
+    returned dict keeps the module's own names, which loading matches against the model.
+    """
+
+    #: ``(key suffix, index in the group, group size)``; ``None``: megatron-core's stack over all layers.
+    layer_stack: tuple[str, int, int] | None = None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        stack = self.layer_stack
+        layer_axis = len(sharded_offsets) == 1 and sharded_offsets[0][0] == 0
+        if stack is None or not layer_axis or not prefix.endswith("."):  # per-layer keys: nothing is stacked
+            return super().sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
+        suffix, index, count = stack
+        grouped = f"{prefix[:-1]}{suffix}."
+        state = super().sharded_state_dict(prefix=grouped, sharded_offsets=((0, index, count),), metadata=metadata)
+        return {prefix + key[len(grouped) :] if key.startswith(grouped) else key: value for key, value in state.items()}
+
+
+class Gemma4AttentionBase(OwnLayerStack):
+    """What every Gemma 4 attention does: its layer's RoPE, and its torch_dist stack per layer type."""
+
+    def _gemma4_layer(self, config: TransformerConfig, layer_number: int) -> None:
         self.is_sliding = is_sliding_layer(config, layer_number)
-        # With attention_k_eq_v, full layers have no v_proj in HF: V is the raw (un-normalised) K.
-        self.value_is_key = bool(config.attention_k_eq_v) and not self.is_sliding
+        index, count = layer_group_rank(
+            config, layer_number, lambda n: (config.layer_types[n - 1], is_kv_shared_layer(config, n))
+        )
+        suffix = "_sliding" if self.is_sliding else "_global"
+        self.layer_stack = (suffix + ("_kv_shared" if is_kv_shared_layer(config, layer_number) else ""), index, count)
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor, *args: Any, **kwargs: Any):
         # megatron-core's "dual RoPE" convention (kept by its full-recompute path): a (sliding, full) pair.
         sliding, full = kwargs["rotary_pos_emb"]
         kwargs["rotary_pos_emb"] = sliding if self.is_sliding else full
         return super().forward(hidden_states, attention_mask, *args, **kwargs)
+
+
+class Gemma4SelfAttention(Gemma4AttentionBase, SelfAttention):
+    """Self-attention of one Gemma 4 layer, sliding or full (see the module docstring).
+
+    A K/V source layer (:func:`~vime_gemma4_bridge.core.layer_pattern.is_kv_source_layer`) keeps
+    its normalised, not yet rotated K and V of the last forward in :attr:`kv_out` for its layer to
+    hand on (the KV-shared layers rotate them as this layer does).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, **kwargs: Any) -> None:
+        super().__init__(config=attention_config(config, layer_number), layer_number=layer_number, **kwargs)
+        self._gemma4_layer(config, layer_number)
+        # With attention_k_eq_v, full layers have no v_proj in HF: V is the raw (un-normalised) K.
+        self.value_is_key = bool(config.attention_k_eq_v) and not self.is_sliding
+        self.keeps_kv = is_kv_source_layer(config, layer_number)
+        self.kv_out: tuple[Tensor, Tensor] | None = None
 
     def get_query_key_value_tensors(
         self,
@@ -124,33 +171,9 @@ class Gemma4SelfAttention(SelfAttention):
         query = self.q_layernorm(query)
         key = self.k_layernorm(key)
         value = rms_norm(value, None, self.config.layernorm_epsilon)
+        if self.keeps_kv:
+            self.kv_out = (key, value)
         return query, key, value
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
-        """megatron-core's entries, keyed ``self_attention_{sliding,global}`` and stacked per layer type."""
-        state = super().sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
-        suffix = "_sliding" if self.is_sliding else "_global"
-        layer_axis_size = self.config.num_layers
-        type_index, type_count = layer_type_rank(self.config, self.layer_number)
-
-        def restack(entry: Any) -> Any:
-            if isinstance(entry, dict):
-                return {name: restack(value) for name, value in entry.items()}
-            if not isinstance(entry, ShardedTensor | ShardedObject):
-                return entry
-            key = entry.key.replace("self_attention.", f"self_attention{suffix}.", 1)
-            changes: dict[str, Any] = {"key": key}
-            stacked = entry.global_shape and entry.global_shape[0] == layer_axis_size
-            if isinstance(entry, ShardedTensor):
-                stacked = stacked and entry.prepend_axis_num > 0
-                if stacked and entry.axis_fragmentations is not None:
-                    changes["axis_fragmentations"] = (type_count, *entry.axis_fragmentations[1:])
-            if stacked:
-                changes["global_shape"] = (type_count, *entry.global_shape[1:])
-                changes["global_offset"] = (type_index, *entry.global_offset[1:])
-            return dataclasses.replace(entry, **changes)
-
-        return restack(state)
 
 
 class Gemma4TopKRouter(TopKRouter):
@@ -210,14 +233,34 @@ class Gemma4MoELayer(MoELayer):
         return compute(expert_input, shared_input, router_input)
 
 
-class Gemma4TransformerLayer(TransformerLayer):
-    """megatron-core's layer; the feed-forward part is Gemma 4's (see the module docstring)."""
+class Gemma4LayerBase(TransformerLayer):
+    """What every Gemma 4 layer adds to megatron-core's: the post-FFN norm and the frozen ``layer_scalar``."""
+
+    def __init__(self, config: TransformerConfig, submodules: Any, layer_number: int = 1, **kwargs: Any) -> None:
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
+        self.post_ffn_layernorm = Gemma4RMSNorm(config, config.hidden_size)
+        self.layer_scalar = nn.Parameter(torch.ones(1, dtype=config.params_dtype), requires_grad=False)
+
+    def _forward_post_mlp(self, mlp_output_with_bias: tuple[Tensor, Tensor | None], residual: Tensor) -> Tensor:
+        output, bias = mlp_output_with_bias
+        output = self.post_ffn_layernorm(output)
+        if bias is not None:
+            output = output + bias
+        output = nn.functional.dropout(output, p=self.hidden_dropout, training=self.training)
+        hidden_states = self._after_feed_forward(residual + output) * self.layer_scalar
+        return make_viewless_tensor(inp=hidden_states, requires_grad=hidden_states.requires_grad, keep_graph=True)
+
+    def _after_feed_forward(self, hidden_states: Tensor) -> Tensor:
+        """What the layer computes between the feed-forward residual and ``layer_scalar`` (nothing here)."""
+        return hidden_states
+
+
+class Gemma4TransformerLayer(Gemma4LayerBase):
+    """The MoE layer: megatron-core's, with Gemma 4's three-input feed-forward (see the module docstring)."""
 
     def __init__(self, config: TransformerConfig, submodules: Any, layer_number: int = 1, **kwargs: Any) -> None:
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
         self.pre_shared_expert_layernorm = Gemma4RMSNorm(config, config.hidden_size)
-        self.post_ffn_layernorm = Gemma4RMSNorm(config, config.hidden_size)
-        self.layer_scalar = nn.Parameter(torch.ones(1, dtype=config.params_dtype), requires_grad=False)
 
     def _forward_mlp(
         self,
@@ -240,15 +283,6 @@ class Gemma4TransformerLayer(TransformerLayer):
         if mbs is not None:
             output = self._maybe_reflatten_from_moe(output, packed_seq_params, mbs)
         return self._forward_post_mlp((output, bias), residual)
-
-    def _forward_post_mlp(self, mlp_output_with_bias: tuple[Tensor, Tensor | None], residual: Tensor) -> Tensor:
-        output, bias = mlp_output_with_bias
-        output = self.post_ffn_layernorm(output)
-        if bias is not None:
-            output = output + bias
-        output = nn.functional.dropout(output, p=self.hidden_dropout, training=self.training)
-        hidden_states = (residual + output) * self.layer_scalar
-        return make_viewless_tensor(inp=hidden_states, requires_grad=hidden_states.requires_grad, keep_graph=True)
 
 
 class Gemma4RotaryEmbedding(nn.Module):

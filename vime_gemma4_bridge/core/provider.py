@@ -19,8 +19,9 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from vime_gemma4_bridge.compat import seams
+from vime_gemma4_bridge.core.dense import Gemma4DenseEmbedding
 from vime_gemma4_bridge.core.model import Gemma4LanguageModelEmbedding, Gemma4OutputLayer, Gemma4RotaryEmbedding
-from vime_gemma4_bridge.core.spec import gemma4_block_spec
+from vime_gemma4_bridge.core.spec import gemma4_block_spec, gemma4_dense_block_spec
 
 
 @dataclass
@@ -76,7 +77,8 @@ class Gemma4TextModelProvider(GPTModelProvider):
         if not seams.te_available():
             # Settings that need TE or CUDA kernels; the values chosen compute the same function.
             self.moe_permute_fusion = False
-            self.moe_token_dispatcher_type = "allgather"
+            if self.num_moe_experts:  # (a dense model keeps alltoall: allgather refuses variable_seq_lengths)
+                self.moe_token_dispatcher_type = "allgather"
             self.gradient_accumulation_fusion = False
             self.bias_activation_fusion = False
             self.bias_dropout_fusion = False
@@ -96,8 +98,44 @@ class Gemma4TextModelProvider(GPTModelProvider):
             use_cpu_initialization=self.use_cpu_initialization or not torch.cuda.is_available(),
         )
         # Same parameters, Gemma 4's forward: swapping the class keeps names, shapes and ties.
-        _become(getattr(model, "embedding", None), LanguageModelEmbedding, Gemma4LanguageModelEmbedding)
+        _become(getattr(model, "embedding", None), LanguageModelEmbedding, self.embedding_class)
         _become(getattr(model, "output_layer", None), ColumnParallelLinear, Gemma4OutputLayer)
+        return model
+
+    #: The class the embedding becomes (the dense model's also computes the per-layer inputs).
+    embedding_class = Gemma4LanguageModelEmbedding
+
+
+@dataclass
+class Gemma4DenseTextModelProvider(Gemma4TextModelProvider):
+    """Dense Gemma 4 (E2B, E4B, 31B): the MoE provider's attention, RoPE and embedding, a gated MLP per layer,
+    per-layer embeddings and KV sharing (:mod:`vime_gemma4_bridge.core.dense`)."""
+
+    hidden_size_per_layer_input: int = 0  # hidden_size_per_layer_input (0: no PLE)
+    vocab_size_per_layer_input: int = 0  # vocab_size_per_layer_input
+    num_kv_shared_layers: int = 0  # num_kv_shared_layers: the last layers read an earlier layer's K/V
+    use_double_wide_mlp: bool = False  # use_double_wide_mlp: KV-shared layers have a 2x wide MLP
+    num_moe_experts: int | None = None
+    transformer_layer_spec: Any = gemma4_dense_block_spec
+    embedding_class = Gemma4DenseEmbedding
+
+    def finalize(self) -> None:
+        carries = bool(self.hidden_size_per_layer_input or self.num_kv_shared_layers)
+        if carries and self.context_parallel_size > 1:
+            raise ValueError("dense Gemma 4 with per-layer inputs or KV sharing does not support context parallelism")
+        if carries and self.pipeline_model_parallel_size > 1:
+            # Stages exchange [hidden | carried] (core/dense.py): wider than hidden_size, so its shape is sent too.
+            self.variable_seq_lengths = True
+        super().finalize()
+
+    def provide(self, pre_process: bool | None = None, post_process: bool | None = None, vp_stage: int | None = None):
+        model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        embedding = getattr(model, "embedding", None)
+        if embedding is not None:
+            embedding.add_carried_inputs()
+        decoder = model.decoder
+        if decoder.layers and not decoder.post_process:
+            decoder.layers[-1].packs_output = True  # the next stage's first layer unpacks it
         return model
 
 

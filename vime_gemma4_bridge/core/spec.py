@@ -9,16 +9,22 @@ shapes and torch_dist keys are the same on both hosts (table in docs/MODEL.md).
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 from typing import Any
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.core import cpu_modules
+from vime_gemma4_bridge.core.dense import Gemma4DenseMLP, Gemma4DenseTransformerLayer, Gemma4KVSharedAttention
+from vime_gemma4_bridge.core.layer_pattern import has_double_wide_mlp, is_kv_shared_layer
 from vime_gemma4_bridge.core.model import (
     Gemma4MoELayer,
     Gemma4RMSNorm,
@@ -33,25 +39,11 @@ def gemma4_block_spec(config: Any, vp_stage: int | None = None) -> Any:
     use_te = seams.te_available()
     block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, vp_stage=vp_stage)
     block_spec.layer_norm = Gemma4RMSNorm
-    if use_te:
-        from vime_gemma4_bridge.core.te_modules import Gemma4TEDotProductAttention, TERowParallelLinearLayerNorm
-
-        core_attention, linear_proj = Gemma4TEDotProductAttention, TERowParallelLinearLayerNorm
-    else:
-        core_attention, linear_proj = cpu_modules.Gemma4DotProductAttention, cpu_modules.RowParallelLinearLayerNorm
     for layer_spec in block_spec.layer_specs:
         layer_spec.module = Gemma4TransformerLayer
         layer = layer_spec.submodules
         layer.pre_mlp_layernorm = Gemma4RMSNorm  # HF pre_feedforward_layernorm_2 (routed experts)
-        layer.self_attention.module = Gemma4SelfAttention
-        attention = layer.self_attention.submodules
-        attention.core_attention = core_attention
-        attention.linear_proj = linear_proj  # HF post_attention_layernorm lives inside, as post_layernorm
-        attention.q_layernorm = Gemma4RMSNorm
-        attention.k_layernorm = Gemma4RMSNorm
-        if not use_te:
-            layer.input_layernorm = IdentityOp  # fused into linear_qkv (layer_norm_weight), as with TE
-            attention.linear_qkv = cpu_modules.LayerNormColumnParallelLinear
+        _gemma4_attention(layer, Gemma4SelfAttention, use_te)
         moe = _moe_submodules(layer)
         moe.router = Gemma4TopKRouter
         if not use_te:
@@ -63,6 +55,78 @@ def gemma4_block_spec(config: Any, vp_stage: int | None = None) -> Any:
             )
         layer.mlp = partial(Gemma4MoELayer, submodules=moe)
     return block_spec
+
+
+def gemma4_dense_block_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """The decoder block spec of a dense Gemma 4 model (E2B / E4B / 31B) for this rank's stage ``vp_stage``.
+
+    Layers differ (KV-shared attention, double-wide MLP), so each gets its own copy of the spec,
+    chosen by its global layer number.
+    """
+    use_te = seams.te_available()
+    block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, vp_stage=vp_stage)
+    block_spec.layer_norm = Gemma4RMSNorm
+    layer_numbers = _global_layer_numbers(config, vp_stage)
+    specs = []
+    for layer_number, shared_spec in zip(layer_numbers, block_spec.layer_specs, strict=True):
+        layer_spec = copy.deepcopy(shared_spec)
+        layer_spec.module = Gemma4DenseTransformerLayer
+        layer = layer_spec.submodules
+        shared = is_kv_shared_layer(config, layer_number)
+        _gemma4_attention(layer, Gemma4KVSharedAttention if shared else Gemma4SelfAttention, use_te)
+        mlp = _mlp_submodules(layer)
+        layer.pre_mlp_layernorm = IdentityOp  # HF pre_feedforward_layernorm: fused into linear_fc1, as with TE
+        if not use_te:
+            mlp.linear_fc1 = cpu_modules.LayerNormColumnParallelLinear
+        width = config.ffn_hidden_size * (2 if has_double_wide_mlp(config, layer_number) else 1)
+        layer.mlp = partial(Gemma4DenseMLP.as_mlp_submodule, submodules=mlp, ffn_hidden_size=width)
+        specs.append(layer_spec)
+    block_spec.layer_specs = specs
+    return block_spec
+
+
+def _gemma4_attention(layer: Any, attention_class: type, use_te: bool) -> None:
+    """Gemma 4's attention leaves in one layer spec (both models)."""
+    if use_te:
+        from vime_gemma4_bridge.core.te_modules import Gemma4TEDotProductAttention, TERowParallelLinearLayerNorm
+
+        core_attention, linear_proj = Gemma4TEDotProductAttention, TERowParallelLinearLayerNorm
+    else:
+        core_attention, linear_proj = cpu_modules.Gemma4DotProductAttention, cpu_modules.RowParallelLinearLayerNorm
+    layer.self_attention.module = attention_class
+    attention = layer.self_attention.submodules
+    attention.core_attention = core_attention
+    attention.linear_proj = linear_proj  # HF post_attention_layernorm lives inside, as post_layernorm
+    attention.q_layernorm = Gemma4RMSNorm
+    attention.k_layernorm = Gemma4RMSNorm
+    if not use_te:
+        layer.input_layernorm = IdentityOp  # fused into linear_qkv (layer_norm_weight), as with TE
+        attention.linear_qkv = cpu_modules.LayerNormColumnParallelLinear
+
+
+def _global_layer_numbers(config: Any, vp_stage: int | None) -> list[int]:
+    """The 1-based global numbers of the layers ``get_gpt_decoder_block_spec`` keeps for this stage.
+
+    The same selection as megatron-core's (models/gpt/gpt_layer_specs.py, 0.19.2): the pipeline
+    layout's layer ids when one is set, else ``get_num_layers_to_build`` layers from the offset.
+    """
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        from megatron.core.transformer.enums import LayerType
+
+        return [i + 1 for i in layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage)]
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    return list(range(offset + 1, offset + 1 + get_num_layers_to_build(config, vp_stage=vp_stage)))
+
+
+def _mlp_submodules(layer: Any) -> Any:
+    """The ``MLPSubmodules`` of a dense layer spec's MLP, whichever form megatron-core built it in."""
+    mlp = layer.mlp
+    if isinstance(mlp, ModuleSpec) and isinstance(mlp.submodules, MLPSubmodules):
+        return mlp.submodules
+    if isinstance(mlp, partial) and isinstance(mlp.keywords.get("submodules"), MLPSubmodules):
+        return mlp.keywords["submodules"]
+    raise TypeError(f"expected a dense MLP layer spec, got {mlp!r}")
 
 
 def _moe_submodules(layer: Any) -> Any:

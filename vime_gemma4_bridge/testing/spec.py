@@ -40,7 +40,7 @@ class TinySpec:
 
     ``moe=True`` builds 26B-A4B-style layers (dense MLP + router + stacked experts);
     ``moe=False`` builds a dense text model, which alone uses ``per_layer_input_size`` (PLE,
-    0 disables it) and ``kv_shared_layers`` like the small Gemma 4 models. ``layer_types``
+    0 disables it), ``kv_shared_layers`` and ``double_wide_mlp`` like the small Gemma 4 models. ``layer_types``
     holds ``"sliding"`` / ``"full"`` per layer (``None``: alternate, ending with ``full``).
     """
 
@@ -65,6 +65,7 @@ class TinySpec:
     causal_lm: bool = False
     per_layer_input_size: int = 8
     kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_types is not None and not isinstance(self.layer_types, tuple):
@@ -100,6 +101,8 @@ class TinySpec:
             raise ValueError("per_layer_input_size and kv_shared_layers must be >= 0")
         if self.moe and self.kv_shared_layers:
             raise ValueError("kv_shared_layers is only supported with dense models (moe=False)")
+        if self.double_wide_mlp and not self.kv_shared_layers:
+            raise ValueError("double_wide_mlp widens the KV-shared layers' MLP: it needs kv_shared_layers")
         types = self.resolved_layer_types()
         if len(types) != self.layers:
             raise ValueError(f"layer_types has {len(types)} entries but layers is {self.layers}")
@@ -174,6 +177,7 @@ class TinySpec:
             hidden_size_per_layer_input=ple,
             vocab_size_per_layer_input=self.vocab_size,
             num_kv_shared_layers=self.kv_shared_layers,
+            use_double_wide_mlp=self.double_wide_mlp,
             pad_token_id=PAD_ID,
             eos_token_id=EOS_ID,
             bos_token_id=BOS_ID,
@@ -225,3 +229,62 @@ class TinySpec:
         """Short human description used in the summary line."""
         kind = f"MoE {self.experts}x top-{self.top_k}" if self.moe else "dense"
         return f"{self.architecture} ({kind}, {self.layers} layers, {self.dtype})"
+
+
+#: Tiny dense family members, shaped like them in what is special and unlike the MoE tests' default
+#: shape (every size differs); each splits over TP2 and PP2 x VPP2.
+DENSE_SHAPES: dict[str, TinySpec] = {
+    # 31B: no PLE, no KV sharing; k_eq_v full layers with fewer (global) KV heads than the sliding ones.
+    "31b": TinySpec(
+        moe=False,
+        layers=8,
+        layer_types=("sliding", "sliding", "sliding", "full") * 2,
+        hidden_size=48,
+        intermediate_size=40,
+        heads=8,
+        kv_heads=4,
+        global_kv_heads=2,
+        head_dim=8,
+        global_head_dim=16,
+        per_layer_input_size=0,
+        vocab_size=310,
+        seed=11,
+    ),
+    # E4B: PLE, the last half of the layers KV-shared, full layers keep the sliding layers' KV heads.
+    "e4b": TinySpec(
+        moe=False,
+        layers=8,
+        layer_types=("sliding", "sliding", "sliding", "full") * 2,
+        hidden_size=32,
+        intermediate_size=48,
+        heads=4,
+        kv_heads=2,
+        global_kv_heads=2,
+        head_dim=8,
+        global_head_dim=16,
+        attention_k_eq_v=False,
+        per_layer_input_size=8,
+        kv_shared_layers=4,
+        vocab_size=320,
+        seed=21,
+    ),
+    # E2B: PLE, 5 of 8 layers KV-shared (their sources on the first pipeline stage), double-wide MLP there.
+    "e2b": TinySpec(
+        moe=False,
+        layers=8,
+        layer_types=("sliding", "full", "sliding", "sliding", "full", "sliding", "sliding", "full"),
+        hidden_size=24,
+        intermediate_size=16,
+        heads=4,
+        kv_heads=2,
+        global_kv_heads=2,
+        head_dim=6,
+        global_head_dim=16,
+        attention_k_eq_v=False,
+        per_layer_input_size=4,
+        kv_shared_layers=5,
+        double_wide_mlp=True,
+        vocab_size=330,
+        seed=21,
+    ),
+}

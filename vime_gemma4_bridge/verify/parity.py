@@ -136,7 +136,8 @@ def pipelined_forward(
     """One forward pass of all model chunks of this rank, in pipeline order, without gradients.
 
     Returns the TP-gathered logits ``[batch, seq, padded_vocab]`` on the ranks of the last
-    pipeline stage, ``None`` elsewhere. Stages hand hidden states ``[seq, batch, hidden]`` to
+    pipeline stage, ``None`` elsewhere. Stages hand hidden states ``[seq, batch, hidden]`` (with
+    ``variable_seq_lengths``, any shape, sent first: the dense model's ``[hidden | carried]``) to
     the next stage with point-to-point send/recv over the pipeline group (megatron-core's
     schedules allocate on CUDA, so they do not run on CPU ranks); with virtual pipelining the
     chunks run in the interleaved order stage 0 chunk 0, stage 1 chunk 0, ..., stage 0 chunk 1.
@@ -164,7 +165,12 @@ def pipelined_forward(
             first = chunk_index == 0 and pp_rank == 0
             last = chunk_index == len(model) - 1 and pp_rank == pp_size - 1
             if not first:
-                received = torch.empty(hidden_shape, dtype=hidden_dtype, device=device)
+                shape = hidden_shape
+                if config.variable_seq_lengths:  # the shape comes first, as in megatron-core's p2p exchange
+                    sent = torch.empty(3, dtype=torch.int64, device=device)
+                    dist.recv(sent, src=ps.get_pipeline_model_parallel_prev_rank(), group=group)
+                    shape = tuple(sent.tolist())
+                received = torch.empty(shape, dtype=hidden_dtype, device=device)
                 dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank(), group=group)
                 get_attr_wrapped_model(chunk, "set_input_tensor")(received)
             output = chunk(
@@ -176,7 +182,10 @@ def pipelined_forward(
             if last:
                 logits = output
             else:
-                dist.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank(), group=group)
+                next_rank = ps.get_pipeline_model_parallel_next_rank()
+                if config.variable_seq_lengths:
+                    dist.send(torch.tensor(output.shape, dtype=torch.int64, device=device), dst=next_rank, group=group)
+                dist.send(output.contiguous(), dst=next_rank, group=group)
     return logits
 
 

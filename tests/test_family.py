@@ -1,0 +1,139 @@
+"""The dense Gemma 4 family (issue 22): tiny 31B-, E4B- and E2B-shaped checkpoints, on real gloo CPU ranks.
+
+What is special in each (testing/spec.DENSE_SHAPES): 31B, k_eq_v full layers with their own KV-head
+count, no PLE; E4B, per-layer embeddings and the last half of the layers KV-shared; E2B, PLE, five
+of eight layers KV-shared (their sources on the first pipeline stage at PP2) with a double-wide
+MLP. Each must round-trip bitwise at TP2·PP2 and PP2·VPP2 on the release and on the fork double,
+match transformers' fp32 forward at TP2·PP2, convert through torch_dist across topologies, and
+pass vime's weight sync. Worlds of 4 and 2 ranks are shared by every case of their size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.io.hf import HFCheckpoint
+from vime_gemma4_bridge.testing.spec import DENSE_SHAPES
+from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
+from vime_gemma4_bridge.verify.parity import FLOAT32_MAX_ABS_TOLERANCE
+
+TP2_PP2, PP2_VPP2 = Topology(tp=2, pp=2), Topology(pp=2, vpp=2)
+WORLD = {TP2_PP2: 4, PP2_VPP2: 2}
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("family")
+    return {name: write_tiny_checkpoint(root / name, spec) for name, spec in DENSE_SHAPES.items()}
+
+
+def _roundtrip_on(build: str, hf_checkpoint: str, topology: Topology) -> dict:
+    """``roundtrip_job`` on the release or, with ``build == "fork"``, on vime's fork seams (tests/fork_seams.py)."""
+    from fork_seams import fork_seams
+
+    from vime_gemma4_bridge.verify.roundtrip import roundtrip_job
+
+    with fork_seams() if build == "fork" else contextlib.nullcontext():
+        return roundtrip_job(hf_checkpoint, topology, None, False, 10**9)
+
+
+def test_kv_shared_layers_have_no_kv_weights(family) -> None:
+    """HF has no k/v projection or k_norm on a KV-shared layer, and the Megatron model has none to leak."""
+    source = HFCheckpoint(family["e2b"])
+    shared = [name for name in source.language_model_names() if ".layers.3." in name]
+    assert not [name for name in shared if any(p in name for p in ("k_proj", "v_proj", "k_norm"))]
+    assert any(name.endswith("layers.3.self_attn.q_proj.weight") for name in shared)
+
+
+CASES = [
+    (topology, name, build)
+    for topology in (PP2_VPP2, TP2_PP2)  # 2 ranks, then every 4-rank test of the module: one world each
+    for name in sorted(DENSE_SHAPES)
+    for build in ("release", "fork")
+]
+
+
+@pytest.mark.parametrize(("topology", "name", "build"), CASES, ids=str)
+def test_family_roundtrip_is_bitwise(local_world, family, topology: Topology, name: str, build: str) -> None:
+    result = local_world(WORLD[topology]).run(_roundtrip_on, build, str(family[name]), topology)[0]
+    assert result["identical"], result["report"]
+    total = result["total"]
+    source = HFCheckpoint(family[name])
+    assert total["count"] == total["equal"] == len(source.language_model_names())
+
+
+@pytest.mark.parametrize("name", sorted(DENSE_SHAPES))
+def test_family_fp32_parity_at_tp2_pp2(local_world, family, name: str) -> None:
+    from test_parity import run_parity
+
+    result = run_parity(local_world(4), family[name], TP2_PP2)
+    assert result["topology"] == str(TP2_PP2)
+    assert result["passed"], result
+    assert result["max_abs"] <= FLOAT32_MAX_ABS_TOLERANCE["dense"] and result["argmax_agreement"] == 1.0
+
+
+def swap_per_layer_inputs(model: list) -> None:
+    """Give layer 1 layer 2's PLE gate on every chunk that holds both (a consistently wrong mapping)."""
+    import torch
+
+    for chunk in model:
+        layers = {layer.layer_number: layer for layer in chunk.decoder.layers}
+        if 1 in layers and 2 in layers:
+            with torch.no_grad():
+                first, second = layers[1].per_layer_input_gate.weight, layers[2].per_layer_input_gate.weight
+                first.copy_(second)
+
+
+def break_kv_sharing(model: list) -> None:
+    """Shared layers read zeros instead of their source's K/V: the source layers stop handing them on."""
+    for chunk in model:
+        for layer in chunk.decoder.layers:
+            layer.self_attention.keeps_kv = False
+
+
+@pytest.mark.parametrize("breakage", [swap_per_layer_inputs, break_kv_sharing], ids=lambda f: f.__name__)
+def test_family_parity_notices_breakage(local_world, family, breakage) -> None:
+    from test_parity import run_parity
+
+    result = run_parity(local_world(4), family["e2b"], TP2_PP2, after_load=breakage)
+    assert not result["passed"] and result["max_abs"] > 1e-3, result
+
+
+def test_family_vime_weight_sync_at_tp2_pp2(local_world, family, tmp_path: Path) -> None:
+    """vime's bridge weight sync (fork seams) of E4B at TP2·PP2: the dump is the language model, bitwise."""
+    from test_live import _vime_sync_job, check_dump
+
+    dump, buffer_size = tmp_path / "weight_v000001", 20_000
+    result = local_world(4).run(_vime_sync_job, str(family["e4b"]), TP2_PP2, str(dump), buffer_size)[0]
+    assert result["buffer_tasks"] == []
+    assert result["tensors"] == len(HFCheckpoint(family["e4b"]).language_model_names())
+    check_dump(dump, family["e4b"], buffer_size)
+
+
+def test_family_torch_dist_across_topologies(local_world, family, tmp_path: Path) -> None:
+    """E2B imported at TP2·PP2 exports at PP2·VPP2 and at the default topology, bitwise (torch_dist stacks
+    per layer group: sliding, full, KV-shared sliding/full attention, and the double-wide MLP)."""
+    from test_torch_dist import assert_same_checkpoint
+
+    from vime_gemma4_bridge.convert.torch_dist_jobs import export_job, import_job
+    from vime_gemma4_bridge.io.torch_dist_reader import TorchDistReader
+
+    hf, save = family["e2b"], tmp_path / "torch_dist"
+    local_world(4).run(import_job, str(hf), str(save), str(tmp_path / ".partial"), TP2_PP2)
+    reader = TorchDistReader(save / "iter_0000000")
+    try:
+        keys = set(reader.tensor_keys())
+    finally:
+        reader.close()
+    stacks = {"self_attention_sliding", "self_attention_global", "self_attention_sliding_kv_shared"}
+    stacks |= {"self_attention_global_kv_shared", "mlp", "mlp_double_wide"}
+    assert {key.split(".")[2] for key in keys if key.startswith("decoder.layers.")} >= stacks, sorted(keys)
+    assert "decoder.layers.self_attention_sliding_kv_shared.linear_q.weight" in keys
+    for topology, world in ((PP2_VPP2, 2), (Topology(), 2)):
+        out = tmp_path / f"hf-{topology}"
+        local_world(world).run(export_job, str(save), str(hf), str(out), topology, False, 10**9)
+        assert_same_checkpoint(hf, out, ep=1)
