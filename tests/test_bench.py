@@ -69,6 +69,27 @@ def test_bench_runs_and_prints_the_headline_last(local_world, tmp_path: Path, ca
     assert not list((tmp_path / "work").iterdir()), "checkpoints are removed unless --keep"
 
 
+def test_dense_bench_measures_against_the_largest_tensor(local_world, tmp_path: Path) -> None:
+    """``bench --dense e4b``: an E4B-shaped checkpoint whose PLE table is its largest tensor, and the yardstick."""
+    spec = synthetic.dense_spec_for_size(3_000_000)
+    assert not spec.moe and spec.per_layer_input_size and spec.kv_shared_layers
+    result = bench.run_bench(
+        [0.003],
+        [1],
+        buffer_size=1_000_000,
+        workdir=tmp_path / "work",
+        world_for=local_world,
+        log=lambda _: None,
+        dense=True,
+    )
+    assert [s.step for s in result.steps] == ["reference", "live", "copy", "import", "export"]
+    lines = bench_report.format_report(result)
+    assert "largest_tensor_mb=" in lines[-1] and "layer_experts_mb" not in lines[-1]
+    assert any(line.startswith("target live peak extra <= chunk + the largest tensor (PLE table)") for line in lines)
+    table = 2 * spec.vocab_size * spec.layers * spec.per_layer_input_size
+    assert result.layer_experts == table  # bf16 PLE table: the yardstick is that tensor
+
+
 def test_command_line(capsys: pytest.CaptureFixture) -> None:
     args = cli.build_parser().parse_args(["bench", "--quick"])
     assert args.func is bench.main and args.quick and args.size_gb is None

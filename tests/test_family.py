@@ -49,6 +49,23 @@ def test_kv_shared_layers_have_no_kv_weights(family) -> None:
     assert any(name.endswith("layers.3.self_attn.q_proj.weight") for name in shared)
 
 
+def test_family_streamed_default_import_loads_at_pp2_vpp2(local_world, family, tmp_path: Path) -> None:
+    """At the default topology import and export stream a dense model weight by weight (one tensor in
+    flight: the PLE table is the largest); the streamed torch_dist loads in megatron-core at PP2·VPP2."""
+    from test_torch_dist import assert_same_checkpoint
+
+    from vime_gemma4_bridge.convert.torch_dist_jobs import export_job, import_job
+
+    hf, save = family["e4b"], tmp_path / "torch_dist"
+    report = local_world(1).run(import_job, str(hf), str(save), str(tmp_path / ".partial"), Topology())[0]
+    assert report["experts_streamed"], "the default-topology import of a dense model no longer streams"
+    for topology, world in ((Topology(), 1), (PP2_VPP2, 2)):
+        out = tmp_path / f"hf-{topology}"
+        report = local_world(world).run(export_job, str(save), str(hf), str(out), topology, False, 10**9)[0]
+        assert report["experts_streamed"] == (topology == Topology()), report
+        assert_same_checkpoint(hf, out, ep=1)
+
+
 CASES = [
     (topology, name, build)
     for topology in (PP2_VPP2, TP2_PP2)  # 2 ranks, then every 4-rank test of the module: one world each

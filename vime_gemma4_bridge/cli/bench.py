@@ -54,7 +54,13 @@ from vime_gemma4_bridge.cli.bench_jobs import live_job, measured_job, reference_
 from vime_gemma4_bridge.cli.bench_report import BenchResult, Step, format_report
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.runtime.world import LocalWorld
-from vime_gemma4_bridge.testing.synthetic import layer_experts_bytes, spec_for_size, write_synthetic_checkpoint
+from vime_gemma4_bridge.testing.synthetic import (
+    dense_spec_for_size,
+    largest_tensor_bytes,
+    layer_experts_bytes,
+    spec_for_size,
+    write_synthetic_checkpoint,
+)
 
 __all__ = ["add_parser", "main", "run_bench"]
 
@@ -75,9 +81,12 @@ REPEATS = 3
 # --------------------------------------------------------------------------------------------
 
 
-def _topology_for(nproc: int) -> Topology:
-    """Pure expert parallelism over the world (EP = nproc, dense part replicated): how an MoE is spread first."""
-    return Topology(ep=nproc)
+def _topology_for(nproc: int, dense: bool = False) -> Topology:
+    """Pure expert parallelism over the world (EP = nproc, dense part replicated): how an MoE is spread first.
+
+    A dense model has no experts: TP over up to 2 ranks (its 2 KV heads), data parallel beyond.
+    """
+    return Topology(tp=min(nproc, 2)) if dense else Topology(ep=nproc)
 
 
 def run_bench(
@@ -91,20 +100,23 @@ def run_bench(
     keep: bool = False,
     world_for: Callable[[int], LocalWorld] | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    dense: bool = False,
 ) -> BenchResult:
     """Write the checkpoint(s), then for each world size run (a)-(d) on every size in one LocalWorld.
 
     Worlds run one after another (smallest first, ~1 GB RAM per rank), so at most ``max(nprocs)``
     ranks are alive. The reference is measured once per size, in rank 0 of the first world.
     ``world_for(n)`` supplies the worlds instead (e.g. a test session's shared one; not closed here).
+    ``dense``: an E4B-shaped dense checkpoint instead, measured against its largest tensor (the PLE table).
     """
     from vime_gemma4_bridge.convert.torch_dist_jobs import export_job, import_job
 
-    specs = [spec_for_size(int(gb * 1e9)) for gb in sizes_gb]
+    shaped = dense_spec_for_size if dense else spec_for_size
+    specs = [shaped(int(gb * 1e9)) for gb in sizes_gb]
     if scaling:
         base = specs[0]
         # Right after the first size: doubling_ratio compares these two.
-        specs.insert(1, spec_for_size(int(sizes_gb[0] * 2e9), layers=2 * base.layers, hidden=base.hidden_size))
+        specs.insert(1, shaped(int(sizes_gb[0] * 2e9), layers=2 * base.layers, hidden=base.hidden_size))
     workdir.mkdir(parents=True, exist_ok=True)
     sources: list[Path] = []
     sizes: list[int] = []
@@ -115,16 +127,21 @@ def run_bench(
         generate_seconds.append(time.perf_counter() - start)
         sources.append(path)
         sizes.append(nbytes)
+        kind = (
+            f"dense (PLE {spec.per_layer_input_size} per layer, {spec.kv_shared_layers} KV-shared layers)"
+            if dense
+            else f"{spec.experts} experts of width {spec.moe_intermediate_size}"
+        )
         log(
             f"bench: checkpoint {i}: {nbytes / 1e9:.3f} GB, {spec.layers} layers, hidden {spec.hidden_size}, "
-            f"{spec.experts} experts of width {spec.moe_intermediate_size}, vocab {spec.vocab_size} "
-            f"(written in {generate_seconds[-1]:.1f} s)"
+            f"{kind}, vocab {spec.vocab_size} (written in {generate_seconds[-1]:.1f} s)"
         )
+    yardstick = largest_tensor_bytes(sources[0])[1] if dense else layer_experts_bytes(sources[0])
     result = BenchResult(
-        sizes, specs, sorted(set(nprocs)), buffer_size, layer_experts_bytes(sources[0]), [], generate_seconds
+        sizes, specs, sorted(set(nprocs)), buffer_size, yardstick, [], generate_seconds, dense_model=dense
     )
     for nproc in result.nprocs:
-        topology = _topology_for(nproc)
+        topology = _topology_for(nproc, dense)
         with contextlib.ExitStack() as stack:
             world = world_for(nproc) if world_for else stack.enter_context(LocalWorld(nproc))
             world.start()
@@ -277,7 +294,9 @@ plain torch.clone of the same weights. Each is timed inside the ranks (start-up 
 excluded) with its peak RSS. Prints a table, the targets and, last (nproc 1, the first size):
 export_vs_reference=.. import_vs_reference=.. live_vs_copy=.. live_peak_extra_mb=..
 layer_experts_mb=.. import_peak_extra_mb=.. export_peak_extra_mb=..
-With --scaling, also twice the first size: time and peak-memory doubling ratios. Targets are
+With --scaling, also twice the first size: time and peak-memory doubling ratios. With --dense e4b,
+an E4B-shaped dense checkpoint instead (PLE table the largest tensor; TP = min(nproc, 2)): the
+memory yardstick is that tensor (largest_tensor_mb= in place of layer_experts_mb=). Targets are
 reported, not asserted: exit 0 whenever the run completes."""
 
 
@@ -317,6 +336,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="world sizes to measure, import at EP = N (default 1 2 4; ~1 GB RAM per rank plus the model)",
     )
     parser.add_argument(
+        "--dense",
+        choices=("e4b",),
+        default=None,
+        help="measure an E4B-shaped dense checkpoint instead (its PLE table, one tensor, is the yardstick; "
+        "TP = min(nproc, 2))",
+    )
+    parser.add_argument(
         "--buffer-size",
         default="64MB",
         metavar="SIZE",
@@ -341,7 +367,7 @@ def main(args: argparse.Namespace) -> int:
         if any(s <= 0 for s in sizes) or any(n < 1 for n in nprocs) or buffer_size < 1:
             raise ValueError("--size-gb, --nproc and --buffer-size must be positive")
         for n in nprocs:
-            if 128 % n:
+            if 128 % n and not args.dense:
                 raise ValueError(f"--nproc {n} must divide the 128 experts (EP = nproc)")
     except ValueError as error:
         print(f"vime-gemma4 bench: error: {error}", file=sys.stderr)
@@ -359,6 +385,7 @@ def main(args: argparse.Namespace) -> int:
             scaling=args.scaling,
             quiet=not args.verbose,
             keep=args.keep and bool(args.workdir),
+            dense=bool(args.dense),
         )
     lines = format_report(result)
     if args.json:
@@ -366,7 +393,7 @@ def main(args: argparse.Namespace) -> int:
             "sizes": result.sizes,
             "nprocs": result.nprocs,
             "buffer_size": result.buffer_size,
-            "layer_experts_bytes": result.layer_experts,
+            result.yardstick_key + "_bytes": result.layer_experts,
             "steps": [vars(step) | {"gb_per_s": step.gb_per_s} for step in result.steps],
             "headline": lines[-1],
         }

@@ -46,7 +46,7 @@ class StreamedExperts:
 def plan_streamed_experts(
     tasks: Sequence[Any], state: Mapping[str, Any], usable: Callable[[Any], bool]
 ) -> StreamedExperts | None:
-    """The experts to stream, or ``None`` when any of them cannot be (then nothing is streamed).
+    """The experts to stream (none for a dense model), or ``None`` when any cannot be (then nothing is streamed).
 
     ``tasks`` are Megatron-Bridge's conversion tasks of a TP1/PP1/EP1 model and ``state`` its flat
     ``sharded_state_dict``. An expert streams when its mapping is upstream's fused expert mapping
@@ -84,7 +84,7 @@ def plan_streamed_experts(
         if sorted(experts) != list(range(len(experts))):
             return None
         ordered[name] = [experts[i] for i in range(len(experts))]
-    return StreamedExperts(ordered) if ordered else None
+    return StreamedExperts(ordered)  # a dense model: no experts, every weight takes the streamed path
 
 
 def stored_shape(piece: Any) -> tuple[int, ...]:

@@ -20,7 +20,14 @@ from typing import Any
 from vime_gemma4_bridge.testing.spec import TinySpec
 from vime_gemma4_bridge.testing.tokenizer import MIN_VOCAB_SIZE
 
-__all__ = ["layer_experts_bytes", "spec_bytes", "spec_for_size", "write_synthetic_checkpoint"]
+__all__ = [
+    "dense_spec_for_size",
+    "largest_tensor_bytes",
+    "layer_experts_bytes",
+    "spec_bytes",
+    "spec_for_size",
+    "write_synthetic_checkpoint",
+]
 
 
 #: 26B-A4B's hidden size: the synthetic model uses it when the size allows :data:`MIN_LAYERS` layers.
@@ -83,6 +90,63 @@ def _shaped_spec(hidden: int, layers: int) -> TinySpec:
         moe=True,
         causal_lm=False,
     )
+
+
+def dense_spec_for_size(size_bytes: int, *, layers: int = 12, hidden: int | None = None) -> TinySpec:
+    """An E4B-shaped dense spec of about ``size_bytes`` (bf16): the PLE table is the largest tensor.
+
+    E4B (hidden 2560, 42 layers, 8 heads of 256 and 2 KV heads, global heads of 512, MLP 4·hidden,
+    PLE 256 per layer over a 262,144-row vocabulary, the last 18 layers KV-shared): its PLE table,
+    5.6 GB in one bf16 tensor, is ~a third of the checkpoint and four times the embedding. Kept:
+    head dim = PLE width = hidden/10, vocabulary ~102·hidden, 18/42 of the layers shared. Bytes grow
+    as hidden², so ``hidden`` (a multiple of 64) is solved for at ``layers``.
+    """
+    if size_bytes <= 0:
+        raise ValueError(f"size must be positive, got {size_bytes} bytes")
+    if hidden is None:
+        per_square = spec_bytes(_dense_shaped(640, layers)) / 640**2
+        hidden = max(128, 64 * round(math.sqrt(size_bytes / per_square) / 64))
+    return _dense_shaped(hidden, layers)
+
+
+def _dense_shaped(hidden: int, layers: int) -> TinySpec:
+    """E4B's proportions at ``hidden`` (see :func:`dense_spec_for_size`)."""
+    head_dim = max(8, 8 * round(hidden / 10 / 8))
+    layer_types = tuple("full" if (layers - 1 - i) % 6 == 0 else "sliding" for i in range(layers))
+    return TinySpec(
+        moe=False,
+        layers=layers,
+        layer_types=layer_types,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        heads=8,
+        kv_heads=2,
+        global_kv_heads=2,
+        head_dim=head_dim,
+        global_head_dim=2 * head_dim,
+        attention_k_eq_v=False,
+        sliding_window=128,
+        per_layer_input_size=head_dim,
+        kv_shared_layers=max(1, round(layers * 18 / 42)),
+        vocab_size=max(MIN_VOCAB_SIZE, 102 * hidden + 5),
+        dtype="bfloat16",
+    )
+
+
+def largest_tensor_bytes(hf_checkpoint: str | os.PathLike) -> tuple[str, int]:
+    """``(name, bytes)`` of the checkpoint's largest language-model tensor, from the file headers."""
+    from safetensors import safe_open
+
+    from vime_gemma4_bridge.io import hf as hf_io
+
+    source = hf_io.HFCheckpoint(hf_checkpoint)
+    sizes = {}
+    for name in source.language_model_names():
+        with safe_open(source.path / source.weight_map[name], framework="pt") as handle:
+            piece = handle.get_slice(name)
+            sizes[name] = math.prod(piece.get_shape()) * hf_io.DTYPE_BYTES[piece.get_dtype()]
+    name = max(sizes, key=sizes.__getitem__)
+    return name, sizes[name]
 
 
 def _meta_tensors(spec: TinySpec) -> list[tuple[str, tuple[int, ...], Any]]:
