@@ -131,6 +131,20 @@ def test_family_vime_weight_sync_at_tp2_pp2(local_world, family, tmp_path: Path)
     check_dump(dump, family["e4b"], buffer_size)
 
 
+def test_family_vime_save_hf_and_sleeping_sync_at_tp2_pp2(local_world, family, tmp_path: Path) -> None:
+    """vime's other roads for a dense VL checkpoint (E2B), fork seams, TP2·PP2: its full HF save
+    (``--save-hf``) is the source bitwise, and a sleeping colocated actor's sync is the language model."""
+    from test_live import check_dump
+    from test_vime_roads import _save_hf_job, _sleeping_sync_job, assert_saved
+
+    hf, out = family["e2b"], tmp_path / "saved"
+    assert_saved(local_world(4).run(_save_hf_job, str(hf), TP2_PP2, "fork", str(out)), hf, out)
+    dump = tmp_path / "weight_v000002"
+    result = local_world(4).run(_sleeping_sync_job, str(hf), TP2_PP2, str(dump), 20_000)
+    assert result[0]["tensors"] == len(HFCheckpoint(hf).language_model_names())
+    check_dump(dump, hf, 20_000)
+
+
 def test_family_torch_dist_across_topologies(local_world, family, tmp_path: Path) -> None:
     """E2B imported at TP2·PP2 exports at PP2·VPP2 and at the default topology, bitwise (torch_dist stacks
     per layer group: sliding, full, KV-shared sliding/full attention, and the double-wide MLP)."""
