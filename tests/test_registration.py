@@ -174,8 +174,9 @@ def test_explicit_register_raises_what_prevents_it() -> None:
 
 
 def test_dense_gemma4_needs_no_dense_provider_of_the_build(tmp_path: Path) -> None:
-    """A build without Megatron-Bridge's Gemma4DenseProvider (simulated: removed after import, as on
-    vime's fork) builds the dense model, and ``env`` reports both models available (issue 22)."""
+    """A build without Megatron-Bridge's Gemma4DenseProvider (simulated: removed after import; vime's fork
+    @d063066b, ``models/gemma/__init__.py``, exports ``Gemma4ModelProvider`` only) builds the dense model,
+    and ``env`` reports both models available (issue 22)."""
     from vime_gemma4_bridge.testing.spec import DENSE_SHAPES
     from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 

@@ -19,7 +19,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from vime_gemma4_bridge.compat import seams
-from vime_gemma4_bridge.core.dense import Gemma4DenseEmbedding
+from vime_gemma4_bridge.core.dense import CarriedLayout, Gemma4DenseEmbedding
 from vime_gemma4_bridge.core.model import Gemma4LanguageModelEmbedding, Gemma4OutputLayer, Gemma4RotaryEmbedding
 from vime_gemma4_bridge.core.spec import gemma4_block_spec, gemma4_dense_block_spec
 
@@ -120,7 +120,7 @@ class Gemma4DenseTextModelProvider(Gemma4TextModelProvider):
     embedding_class = Gemma4DenseEmbedding
 
     def finalize(self) -> None:
-        carries = bool(self.hidden_size_per_layer_input or self.num_kv_shared_layers)
+        carries = CarriedLayout.of(self) is not None
         if carries and self.context_parallel_size > 1:
             raise ValueError("dense Gemma 4 with per-layer inputs or KV sharing does not support context parallelism")
         if carries and self.pipeline_model_parallel_size > 1:
