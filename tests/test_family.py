@@ -168,3 +168,84 @@ def test_family_torch_dist_across_topologies(local_world, family, tmp_path: Path
         out = tmp_path / f"hf-{topology}"
         local_world(world).run(export_job, str(save), str(hf), str(out), topology, False, 10**9)
         assert_same_checkpoint(hf, out, ep=1)
+
+
+def _probe_after_load(hf_checkpoint: str, topology: Topology, breakage=None) -> dict:
+    """``probe_job`` with ``breakage`` applied to the model chunks right after the HF load."""
+    from megatron.bridge.models.conversion.utils import unwrap_model
+
+    from vime_gemma4_bridge.convert import model as convert_model
+    from vime_gemma4_bridge.verify.probe import probe_job
+
+    original = convert_model.open_bridge
+
+    def open_and_break(path: str):
+        bridge = original(path)
+        load = bridge.load_hf_weights
+
+        def load_then_break(model, *args, **kwargs):
+            loaded = load(model, *args, **kwargs)
+            breakage(unwrap_model(model))
+            return loaded
+
+        bridge.load_hf_weights = load_then_break
+        return bridge
+
+    if breakage is not None:
+        convert_model.open_bridge = open_and_break
+    try:
+        return probe_job(hf_checkpoint, topology, None, None)
+    finally:
+        convert_model.open_bridge = original
+
+
+def give_layer_1_the_mlp_of_layer_2(model: list) -> None:
+    """Layer 1's fc1 holds layer 2's (each TP rank its own shard of it): a mapping off by one layer."""
+    import torch
+
+    for chunk in model:
+        layers = {layer.layer_number: layer for layer in chunk.decoder.layers}  # 1-based
+        if 2 in layers and 3 in layers:
+            with torch.no_grad():
+                layers[2].mlp.linear_fc1.weight.copy_(layers[3].mlp.linear_fc1.weight)
+
+
+def test_family_probe_follows_dense_mlps_at_tp2_pp2(local_world, family) -> None:
+    """The probe on a dense checkpoint follows each layer's MLP (column- and row-split) through the
+    bridge's export: every stage ok, and a layer given its neighbour's weights is named at its shard."""
+    from vime_gemma4_bridge.verify.probe import DENSE_STAGES, format_probe
+
+    result = local_world(4).run(_probe_after_load, str(family["e2b"]), TP2_PP2)[0]
+    assert result["ok"] and result["dense"], format_probe(result)
+    assert [entry["layer"] for entry in result["entries"]] == list(range(DENSE_SHAPES["e2b"].layers))
+    for entry in result["entries"]:
+        assert [row["stage"] for row in entry["stages"]] == [stage for stage, _ in DENSE_STAGES]
+        for row in entry["stages"]:
+            assert row["gate_up_proj"]["status"] == row["down_proj"]["status"] == "ok", (entry["layer"], row)
+    assert format_probe(result).splitlines()[-1].startswith("probe OK: the MLP of layers 0")
+
+    broken = local_world(4).run(_probe_after_load, str(family["e2b"]), TP2_PP2, give_layer_1_the_mlp_of_layer_2)[0]
+    assert not broken["ok"]
+    by_layer = {entry["layer"]: entry for entry in broken["entries"]}
+    assert [layer for layer, entry in by_layer.items() if entry["first_mismatch"]] == [1]
+    first = by_layer[1]["first_mismatch"]
+    assert first.startswith("gate_up_proj local shard: ") and "= layer 2 TP shard 0" in first, first
+    assert format_probe(broken).splitlines()[-1].startswith("probe FAILED: the MLP of 1 layer(s) diverges")
+
+
+def test_family_doctor_reads_a_dense_checkpoint(family, tmp_path: Path) -> None:
+    """``compare`` (the doctor) on E2B-shaped checkpoints: a copy is IDENTICAL, and two layers' PLE
+    gates swapped are diagnosed as a layer swap naming both tensors."""
+    from test_doctor import L, diagnose, first_cause, plant
+
+    def swap_gates(t: dict) -> None:
+        a, b = f"{L}1.per_layer_input_gate.weight", f"{L}2.per_layer_input_gate.weight"
+        t[a], t[b] = t[b], t[a]
+
+    status, text, _ = diagnose(family["e2b"], plant(family["e2b"], tmp_path / "copy", lambda t: None))
+    assert status == 0 and text.startswith("IDENTICAL: "), text
+    status, text, report = diagnose(family["e2b"], plant(family["e2b"], tmp_path / "swapped", swap_gates))
+    assert status == 1
+    cause = first_cause(report)
+    assert cause["kind"] == "layer-swap" and "layers 1 and 2 swapped" in cause["message"], cause
+    assert sorted(cause["tensors"]) == [f"{L}1.per_layer_input_gate.weight", f"{L}2.per_layer_input_gate.weight"]

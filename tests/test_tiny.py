@@ -178,13 +178,15 @@ def test_cli_writes_a_family_member_like_shape(tmp_path: Path, capsys: pytest.Ca
     assert not any(".layers.3.self_attn.k_proj" in name for name in saved)
 
 
-def test_probe_refuses_a_dense_checkpoint_saying_what_to_use(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_probe_refuses_experts_on_a_dense_checkpoint_saying_what_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     out = tmp_path / "e4b"
     assert cli.main(["tiny", str(out), "--like", "e4b"]) == 0
     capsys.readouterr()
-    assert cli.main(["probe", "--hf-checkpoint", str(out)]) == 2
+    assert cli.main(["probe", "--hf-checkpoint", str(out), "--experts", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "this checkpoint is dense" in err[0] and "vime-gemma4 roundtrip" in err[0], err
+    assert len(err) == 1 and "this checkpoint is dense" in err[0] and "drop --experts" in err[0], err
 
 
 def test_cli_writes_into_empty_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

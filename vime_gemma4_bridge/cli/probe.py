@@ -1,4 +1,4 @@
-"""``vime-gemma4 probe``: follow experts through Megatron-Bridge's export stage by stage; flag the first bad one."""
+"""``vime-gemma4 probe``: follow weights through Megatron-Bridge's export stage by stage; flag the first bad one."""
 
 from __future__ import annotations
 
@@ -17,26 +17,37 @@ if TYPE_CHECKING:
 
 PROG = "vime-gemma4 probe"
 DESCRIPTION = """\
-Load a Gemma 4 MoE HF checkpoint into the Megatron model at the given parallel topology (gloo CPU
-ranks with --nproc, or the ranks of torchrun) and follow chosen routed experts through
-Megatron-Bridge's own export: the rank-local shard, after the PP broadcast, after the ETP gather,
-after the EP gather, and the final stacked HF tensor. Each stage's fingerprint is checked against
-what it must hold, derived from the HF source (the expert's ETP shard for the first two stages),
-and the first stage that differs is flagged. Default experts: both sides of every EP boundary plus
-the first and last expert. Exit status: 0 iff every stage matches, 1 otherwise, 2 on bad input."""
+Load a Gemma 4 HF checkpoint into the Megatron model at the given parallel topology (gloo CPU
+ranks with --nproc, or the ranks of torchrun) and follow chosen weights through Megatron-Bridge's
+own export, stage by stage. Each stage's fingerprint is checked against what it must hold, derived
+from the HF source, and the first stage that differs is flagged.
+
+MoE checkpoints: routed experts, through the rank-local shard, the PP broadcast, the ETP gather,
+the EP gather and the final stacked HF tensor. Default experts: both sides of every EP boundary
+plus the first and last expert.
+
+Dense checkpoints (31B, E4B, E2B): each layer's MLP, whose two weights are split over TP the two
+ways a dense weight is (gate/up column halves, down rows), through the rank-local shard, the PP
+broadcast, the TP gather and the final HF gate_proj / up_proj / down_proj.
+
+Exit status: 0 iff every stage matches, 1 otherwise, 2 on bad input."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``vime-gemma4 probe``."""
     parser = subparsers.add_parser(
         "probe",
-        help="follow experts through the HF -> Megatron -> HF export stage by stage; flag the first bad stage",
+        help="follow experts (dense: MLPs) through the HF -> Megatron -> HF export; flag the first bad stage",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_job_arguments(parser, hf_help="source Gemma 4 MoE HF checkpoint", json_help="print the result as JSON")
+    add_job_arguments(
+        parser, hf_help="source Gemma 4 HF checkpoint (MoE or dense)", json_help="print the result as JSON"
+    )
     parser.add_argument(
-        "--experts", metavar="LIST", help="expert ids, e.g. 0,31,32 or 0-3 (default: both sides of every EP boundary)"
+        "--experts",
+        metavar="LIST",
+        help="MoE only: expert ids, e.g. 0,31,32 or 0-3 (default: both sides of each EP boundary)",
     )
     parser.add_argument("--layers", metavar="LIST", help="layer ids, e.g. 0,5 or 0-3 (default: all layers)")
     parser.set_defaults(func=run)
@@ -70,10 +81,10 @@ def run(args: argparse.Namespace) -> int:
 
     def chosen(topology: Topology, source: HFCheckpoint) -> tuple[list[int] | None, list[int] | None]:
         text = text_config_dict(source.config)
-        if not text.get("enable_moe_block"):
+        if args.experts and not text.get("enable_moe_block"):
             raise ValueError(
-                "probe follows routed experts, and this checkpoint is dense (no enable_moe_block): "
-                "use vime-gemma4 roundtrip (it names every tensor that differs) and vime-gemma4 compare"
+                "--experts: this checkpoint is dense (no enable_moe_block), it has no experts; "
+                "drop --experts and the probe follows each layer's MLP"
             )
         experts = parse_id_list(args.experts, int(text["num_experts"]), "--experts") if args.experts else None
         layers = parse_id_list(args.layers, int(text["num_hidden_layers"]), "--layers") if args.layers else None
