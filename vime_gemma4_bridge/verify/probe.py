@@ -277,12 +277,15 @@ def judge_probe(
     for record in records:
         by_key[(record["layer"], record["fc"], record["expert"], record["stage"])].append(record)
     stages = DENSE_STAGES if dense else STAGES
-    weights = {layer: _source_weights(source, layer, dense) for layer in layers}
-    if dense:  # a wrong dense shard is most likely another layer's: catalogue them all
+    # A wrong dense shard is most likely another layer's: a dense MLP is small, so every probed layer
+    # is read up front and catalogued together. Expert stacks are large: one layer at a time.
+    if dense:
+        weights = {layer: _source_weights(source, layer, True) for layer in layers}
         labelled = {fc: [(f"layer {layer}", w[fc]) for layer, w in weights.items()] for fc in FC_KINDS}
         shared = {fc: _catalog(named, fc, etp, "TP") for fc, named in labelled.items()}
+    per_layer = weights.items() if dense else ((layer, _source_weights(source, layer, False)) for layer in layers)
     entries = []
-    for layer, tensors in weights.items():
+    for layer, tensors in per_layer:
         if dense:
             units: list[tuple[int | None, dict[str, Any]]] = [(None, {})]
             catalog = shared
