@@ -23,6 +23,7 @@ set -euo pipefail
 # Settings (every one can be overridden from the environment)
 # ------------------------------------------------------------------------------------------------
 DRY_RUN=${DRY_RUN:-0}                          # 1: print the resolved command and exit 0, launch nothing
+SKIP_PREFLIGHT=${SKIP_PREFLIGHT:-0}            # 1 with DRY_RUN=1: skip the plugin preflight (repeated dry runs)
 PYTHON=${PYTHON:-python3}                      # interpreter of the vime image (the plugin must be installed in it)
 VIME_DIR=${VIME_DIR:-/root/vime}
 MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-/root/Megatron-LM}
@@ -84,19 +85,21 @@ UPDATE_WEIGHT_BUFFER_SIZE=${UPDATE_WEIGHT_BUFFER_SIZE:-$((512 * 1024 * 1024))}
 # ------------------------------------------------------------------------------------------------
 export VIME_GEMMA4_BRIDGE_AUTOLOAD=1
 export PYTHONUNBUFFERED=1
-"${PYTHON}" -c "import vime_gemma4_bridge" || {
-  echo "vime_gemma4_bridge is not importable by ${PYTHON}: run 'pip install --no-deps -e <vime_gemma4_bridge checkout>' on every node" >&2
-  exit 1
-}
-# Preflight: the plugin registers, its model builds with this host's modules, and (except under
-# DRY_RUN, which may run on a machine other than the actor image) vime's bridge mode can use this
-# Megatron-Bridge build: `vime-gemma4 env --vime` prints what it found and exits 1 with the reason.
-PREFLIGHT=(env)
-[[ "${DRY_RUN}" == 1 ]] || PREFLIGHT+=(--vime)
-"${PYTHON}" -m vime_gemma4_bridge.cli "${PREFLIGHT[@]}" >&2 || {
-  echo "preflight failed: see 'vime-gemma4 ${PREFLIGHT[*]}' above" >&2
-  exit 1
-}
+if [[ "${DRY_RUN}" != 1 || "${SKIP_PREFLIGHT}" != 1 ]]; then
+  "${PYTHON}" -c "import vime_gemma4_bridge" || {
+    echo "vime_gemma4_bridge is not importable by ${PYTHON}: run 'pip install --no-deps -e <vime_gemma4_bridge checkout>' on every node" >&2
+    exit 1
+  }
+  # Preflight: the plugin registers, its model builds with this host's modules, and (except under
+  # DRY_RUN, which may run on a machine other than the actor image) vime's bridge mode can use this
+  # Megatron-Bridge build: `vime-gemma4 env --vime` prints what it found and exits 1 with the reason.
+  PREFLIGHT=(env)
+  [[ "${DRY_RUN}" == 1 ]] || PREFLIGHT+=(--vime)
+  "${PYTHON}" -m vime_gemma4_bridge.cli "${PREFLIGHT[@]}" >&2 || {
+    echo "preflight failed: see 'vime-gemma4 ${PREFLIGHT[*]}' above" >&2
+    exit 1
+  }
+fi
 
 # ------------------------------------------------------------------------------------------------
 # Arguments of vime's train.py
