@@ -23,8 +23,11 @@ LAST_LINE = re.compile(
     r"^export_vs_reference=(?P<export>[0-9.]+) import_vs_reference=(?P<import>[0-9.]+) "
     r"live_vs_copy=(?P<live_vs_copy>[0-9.]+) live_peak_extra_mb=(?P<live>[0-9.]+) "
     r"layer_experts_mb=(?P<experts>[0-9.]+) import_peak_extra_mb=(?P<import_peak>[0-9.]+) "
-    r"export_peak_extra_mb=(?P<export_peak>[0-9.]+)$"
+    r"export_peak_extra_mb=(?P<export_peak>[0-9.]+) live_per_expert_peak_extra_mb=(?P<per_expert>[0-9.]+) "
+    r"live_fp8_gb_per_s=(?P<fp8_gb_per_s>[0-9.]+)$"
 )
+
+STEPS = ["reference", "live", "live-per-expert", "live-fp8", "copy", "import", "export"]
 
 
 def test_spec_for_size_has_26b_proportions() -> None:
@@ -56,7 +59,7 @@ def test_bench_runs_and_prints_the_headline_last(local_world, tmp_path: Path, ca
     result = bench.run_bench(
         [0.003], [1], buffer_size=1_000_000, workdir=tmp_path / "work", world_for=local_world, log=lambda _: None
     )
-    assert [s.step for s in result.steps] == ["reference", "live", "copy", "import", "export"]
+    assert [s.step for s in result.steps] == STEPS
     for step in result.steps:
         assert step.seconds > 0 and step.cpu > 0 and step.peak_rss > 0 and step.gb_per_s > 0, step
     lines = bench_report.format_report(result)
@@ -82,7 +85,7 @@ def test_dense_bench_measures_against_the_largest_tensor(local_world, tmp_path: 
         log=lambda _: None,
         dense=True,
     )
-    assert [s.step for s in result.steps] == ["reference", "live", "copy", "import", "export"]
+    assert [s.step for s in result.steps] == STEPS
     lines = bench_report.format_report(result)
     assert "largest_tensor_mb=" in lines[-1] and "layer_experts_mb" not in lines[-1]
     assert any(line.startswith("target live peak extra <= chunk + the largest tensor (PLE table)") for line in lines)

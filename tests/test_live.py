@@ -187,8 +187,29 @@ def test_verify_accepts_a_dtype_or_shape_change_as_mismatch(hf_vl: Path, tmp_pat
 # ------------------------------------------------------------------------------------------------
 
 
-def _vime_sync_job(hf_checkpoint: str, topology: Topology, dump: str, buffer_size: int) -> dict | None:
-    """One vime weight sync (tests/vime_flow.py) on every rank, on vime's fork seams (tests/fork_seams.py)."""
+def _vime_sync_job(
+    hf_checkpoint: str, topology: Topology, dump: str, buffer_size: int, expert_layout: str | None = None
+) -> dict | None:
+    """One vime weight sync (tests/vime_flow.py) on every rank, on vime's fork seams (tests/fork_seams.py).
+
+    ``expert_layout``: the actor's ``VIME_GEMMA4_EXPERT_LAYOUT`` (vime's zero-edit switch), set for this job only.
+    """
+    import os
+
+    from vime_gemma4_bridge.core.hf_layout import EXPERT_LAYOUT_ENV
+
+    saved = os.environ.get(EXPERT_LAYOUT_ENV)
+    if expert_layout is not None:
+        os.environ[EXPERT_LAYOUT_ENV] = expert_layout
+    try:
+        return _vime_sync(hf_checkpoint, topology, dump, buffer_size)
+    finally:
+        os.environ.pop(EXPERT_LAYOUT_ENV, None)
+        if saved is not None:
+            os.environ[EXPERT_LAYOUT_ENV] = saved
+
+
+def _vime_sync(hf_checkpoint: str, topology: Topology, dump: str, buffer_size: int) -> dict | None:
     import torch.distributed as dist
     from fork_seams import fork_seams
     from megatron.bridge import AutoBridge
@@ -335,3 +356,128 @@ def test_diverged_tied_embeddings_refuse_export(local_world, hf_vl: Path) -> Non
     messages = local_world(8).run(_diverged_tied_copies_job, str(hf_vl))
     assert len(set(messages)) == 1, "every rank refuses, none waits in a collective"
     assert messages[0].startswith("tied embeddings diverged: the last pipeline stage's output_layer.weight differs")
+
+
+# ------------------------------------------------------------------------------------------------
+# Rollout-ready streams: one expert at a time, block FP8 (fast checks: tests/test_rollout.py)
+# ------------------------------------------------------------------------------------------------
+
+
+def _dump_names(dump: Path) -> list[str]:
+    return list(json.loads((dump / "model.safetensors.index.json").read_text())["weight_map"])
+
+
+def _assert_vllm_loads_like_the_checkpoint(dump: Path, hf: Path, fp8: bool) -> None:
+    """vLLM's naming rules (tests/vllm_names.py): each name loads one parameter shard; all, what the stacks load."""
+    from vllm_names import coverage, with_scales
+
+    from vime_gemma4_bridge.core.hf_layout import text_config_dict
+
+    source, pushed = HFCheckpoint(hf), HFCheckpoint(dump)
+    text = text_config_dict(source.config)
+    stacked = set(coverage(((n, s) for n, (s, _) in source.signatures(source.language_model_names()).items()), text))
+    loaded = coverage(((n, s) for n, (s, _) in pushed.signatures(pushed.names()).items()), text)
+    assert all(len(names) == 1 for names in loaded.values()), [names for names in loaded.values() if len(names) > 1]
+    assert set(loaded) == (with_scales(stacked) if fp8 else stacked)
+
+
+def _per_expert_names(hf: Path) -> set[str]:
+    from vime_gemma4_bridge.core.hf_layout import STACK_NAME, STACK_PROJECTIONS, per_expert_name
+
+    config = json.loads((hf / "config.json").read_text())["text_config"]
+    return {
+        per_expert_name(stack, e, projection)
+        for stack in HFCheckpoint(hf).language_model_names()
+        if (match := STACK_NAME.match(stack))
+        for e in range(config["num_experts"])
+        for projection in STACK_PROJECTIONS[match["stack"]]
+    }
+
+
+def test_export_live_per_expert_at_the_reported_topology(local_world, hf_vl: Path, tmp_path: Path) -> None:
+    """Acceptance: TP2·PP2·EP4·ETP1 on 8 ranks, --buffer-size 300000, --expert-layout per-expert."""
+    from vime_gemma4_bridge.core.hf_layout import STACK_NAME
+
+    dump, buffer_size = tmp_path / "dump", 300_000
+    topology = Topology(tp=2, pp=2, ep=4, etp=1)
+    local_world(8).run(export_live_job, str(hf_vl), topology, str(dump), buffer_size, False, "per-expert")
+    names = _dump_names(dump)
+    assert len(names) == len(set(names)) and not any(STACK_NAME.match(name) for name in names)
+    assert {name for name in names if ".experts." in name} == _per_expert_names(hf_vl)
+    check_dump(dump, hf_vl, buffer_size)  # verify-update: restacked, bitwise the HF stacks
+    _assert_vllm_loads_like_the_checkpoint(dump, hf_vl, fp8=False)
+
+
+def _fork_export_live_job(*args: object) -> dict:
+    from fork_seams import fork_seams
+
+    with fork_seams():
+        return export_live_job(*args)
+
+
+def test_export_live_fp8_on_the_fork_seams(local_world, hf_vl: Path, tmp_path: Path) -> None:
+    """--quantize fp8 at TP2·PP2·EP4·ETP1 on vime's fork: the FP8 layout, every bf16 tensor bitwise."""
+    from vime_gemma4_bridge.convert.fp8 import SCALE_SUFFIX, is_quantized
+
+    dump, buffer_size = tmp_path / "dump", 300_000
+    topology = Topology(tp=2, pp=2, ep=4, etp=1)
+    local_world(8).run(_fork_export_live_job, str(hf_vl), topology, str(dump), buffer_size, False, "per-expert", "fp8")
+    report = verify_update(hf_vl, dump)  # against the checkpoint quantized the same way: bitwise
+    assert report["ok"] and report["fp8"] and report["expert_layout"] == "per-expert", report["problems"]
+    pushed, source = HFCheckpoint(dump), HFCheckpoint(hf_vl)
+    weights = pushed.load(pushed.names())
+    kept = [n for n in source.language_model_names() if not is_quantized(n) and ".experts." not in n]
+    assert any("router.proj" in n for n in kept) and any("embed_tokens" in n for n in kept)
+    reference = source.load(kept)
+    for name in kept:  # router, norms, embeddings, layer_scalar: bitwise
+        assert weights[name].dtype == reference[name].dtype and torch.equal(weights[name], reference[name]), name
+    for name, tensor in weights.items():
+        if is_quantized(name):
+            assert tensor.dtype == torch.float8_e4m3fn and weights[name + SCALE_SUFFIX].dtype == torch.float32
+    _assert_vllm_loads_like_the_checkpoint(dump, hf_vl, fp8=True)
+
+
+def test_vime_switch_streams_one_expert_at_a_time(local_world, hf_vl: Path, tmp_path: Path) -> None:
+    """VIME_GEMMA4_EXPERT_LAYOUT=per-expert: vime's own sync, no edit to vime, yields the per-expert layout."""
+    dump = tmp_path / "weight_v000001"
+    result = local_world(8).run(
+        _vime_sync_job, str(hf_vl), Topology(tp=2, pp=2, ep=4, etp=1), str(dump), 60_000, "per-expert"
+    )[0]
+    assert {name for name in _dump_names(dump) if ".experts." in name} == _per_expert_names(hf_vl)
+    assert result["tensors"] == len(_dump_names(dump))
+    check_dump(dump, hf_vl, 60_000)
+
+
+def _newest_fork_call_job(hf_checkpoint: str, topology: Topology) -> dict[str, list[str]]:
+    """The export as vime's fork from 04c0fd03 calls the hook: with ``grouped_sources=`` (model_bridge.py L1808)."""
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.live import iter_hf_weights
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+    from vime_gemma4_bridge.core.bridge import Gemma4LanguageModelBridge
+
+    init_model_parallel(topology)
+    bridge = convert.open_bridge(hf_checkpoint)
+    model = convert.build_model(bridge, topology)
+    bridge.load_hf_weights(model)
+    sources: dict[str, list[str]] = {}
+    hook = Gemma4LanguageModelBridge._accumulate_grouped_export
+
+    def newest_fork(self, *args):  # the fork's call always adds the keyword
+        return hook(self, *args, grouped_sources=sources)
+
+    Gemma4LanguageModelBridge._accumulate_grouped_export = newest_fork
+    try:
+        names = [name for name, *_ in iter_hf_weights(bridge, model, cpu=True, expert_layout="per-expert")]
+    finally:
+        Gemma4LanguageModelBridge._accumulate_grouped_export = hook
+    return {"names": names, **{name: sorted(params) for name, params in sources.items()}}
+
+
+def test_expert_hook_takes_the_newest_fork_call(local_world, hf_vl: Path) -> None:
+    """The hook keeps its per-expert path (it used to fall back to upstream's stacks) and records each expert's task."""
+    result = local_world(8).run(_newest_fork_call_job, str(hf_vl), Topology(tp=2, pp=2, ep=4, etp=1))[0]
+    experts = {name for name in result["names"] if ".experts." in name}
+    assert experts == _per_expert_names(hf_vl)
+    assert set(result) - {"names"} == experts  # every name yielded has its source
+    name = "model.language_model.layers.0.experts.5.gate_proj.weight"
+    assert result[name] == ["decoder.layers.0.mlp.experts.linear_fc1.weight1"]  # EP4 of 16: local expert 1

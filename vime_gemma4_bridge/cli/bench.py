@@ -182,6 +182,14 @@ def run_bench(
                     )
                 )
                 log(f"bench: {tag} live {result.steps[-1].seconds:.2f} s")
+                for name, key, what in (
+                    ("live-per-expert", "per_expert", "experts one at a time"),
+                    ("live-fp8", "fp8", "block FP8, per expert"),
+                ):
+                    runs = [r[key] for r in results]
+                    note = f"{what}: {runs[0]['chunks']} chunks, {runs[0]['bytes'] / 1e6:.1f} MB yielded, not written"
+                    result.steps.append(_step(name, nbytes, nproc, topology, runs, {}, note))
+                    log(f"bench: {tag} {name} {result.steps[-1].seconds:.2f} s")
                 copies = [r["copy"] for r in results]
                 result.steps.append(
                     _step("copy", nbytes, nproc, topology, copies, {}, "torch.clone of each tensor live yields")

@@ -189,13 +189,13 @@ def live_job(hf_checkpoint: str, topology: Topology, buffer_size: int, quiet: bo
 
     Build and load are done first and not timed; then memory is released, the baseline taken, and
     ``chunk_by_bytes(iter_hf_weights(...))`` consumed: each chunk is dropped once complete (a consumer
-    that pushed it), so what remains above the baseline is the export's own working memory.
+    that pushed it), so what remains above the baseline is the export's own working memory. The
+    stacked stream (vime's default) is measured first, then the per-expert one and the block-FP8 one
+    (``per_expert``, ``fp8``) on the same model.
     """
-    import torch.distributed as dist
-
     from vime_gemma4_bridge.convert import model as convert
-    from vime_gemma4_bridge.convert.live import chunk_by_bytes, iter_hf_weights
     from vime_gemma4_bridge.convert.topology import init_model_parallel
+    from vime_gemma4_bridge.core.hf_layout import PER_EXPERT
 
     with silenced(quiet):
         init_model_parallel(topology)
@@ -204,23 +204,33 @@ def live_job(hf_checkpoint: str, topology: Topology, buffer_size: int, quiet: bo
         model = convert.build_model(bridge, topology)
         bridge.load_hf_weights(model)
         load_seconds = time.perf_counter() - load_start
-        _release_memory()
-        dist.barrier()
-        chunks = tensors = nbytes = largest = 0
-        with PeakRSS() as memory:
-            start, cpu = time.perf_counter(), _cpu_seconds()
-            for chunk in chunk_by_bytes(iter_hf_weights(bridge, model, cpu=True), buffer_size):
-                size = sum(t.numel() * t.element_size() for _, t, _ in chunk)
-                chunks, tensors, nbytes, largest = chunks + 1, tensors + len(chunk), nbytes + size, max(largest, size)
-                del chunk  # pushed: the consumer lets it go before the next one is assembled
-            dist.barrier()
-            seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
+        stacked = _measured_stream(bridge, model, buffer_size)
+        per_expert = _measured_stream(bridge, model, buffer_size, expert_layout=PER_EXPERT)
+        fp8 = _measured_stream(bridge, model, buffer_size, quantize="fp8")
         copy = _copy_reference(bridge, model, buffer_size)
+    return {**stacked, "copy": copy, "load_seconds": load_seconds, "per_expert": per_expert, "fp8": fp8}
+
+
+def _measured_stream(bridge: Any, model: Sequence[Any], buffer_size: int, **stream: Any) -> dict[str, Any]:
+    """One pass of ``iter_hf_weights(**stream)`` in chunks, each dropped once complete: time and peak extra RSS."""
+    import torch.distributed as dist
+
+    from vime_gemma4_bridge.convert.live import chunk_by_bytes, iter_hf_weights
+
+    _release_memory()
+    dist.barrier()
+    chunks = tensors = nbytes = largest = 0
+    with PeakRSS() as memory:
+        start, cpu = time.perf_counter(), _cpu_seconds()
+        for chunk in chunk_by_bytes(iter_hf_weights(bridge, model, cpu=True, **stream), buffer_size):
+            size = sum(t.numel() * t.element_size() for _, t, _ in chunk)
+            chunks, tensors, nbytes, largest = chunks + 1, tensors + len(chunk), nbytes + size, max(largest, size)
+            del chunk  # pushed: the consumer lets it go before the next one is assembled
+        dist.barrier()
+        seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
     return {
         "seconds": seconds,
         "cpu": cpu,
-        "copy": copy,
-        "load_seconds": load_seconds,
         "peak_rss": memory.peak,
         "extra_rss": memory.extra,
         "exact_rss": memory.exact,

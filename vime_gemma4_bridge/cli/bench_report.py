@@ -23,6 +23,8 @@ TARGET_LIVE_VS_COPY = 3.0
 TARGET_PEAK_EXTRA_BASE = 1536 * 10**6
 #: import / export peak extra RSS at twice the bytes (``--scaling``), over the first size's.
 TARGET_PEAK_DOUBLING = 1.2
+#: per-expert live export peak extra RSS: at most the chunk plus this (one expert, its EP gather, the allocator).
+TARGET_PER_EXPERT_MARGIN = 64 * 10**6
 STEPS = ("reference", "import", "export", "live", "copy")
 
 
@@ -140,7 +142,7 @@ def format_report(result: BenchResult) -> list[str]:
     for step in result.steps:
         if step.step == "reference":
             ratio = "1.00"
-        elif step.step in ("live", "copy"):
+        elif step.step.startswith("live") or step.step == "copy":
             ratio = "—"  # in memory, no files: their yardstick is the copy (live_vs_copy)
         else:
             ratio = _fmt(result.ratio(step.step, step.size_bytes, step.nproc))
@@ -159,6 +161,8 @@ def format_report(result: BenchResult) -> list[str]:
     export, imp, live_vs_copy = result.ratio("export"), result.ratio("import"), result.live_vs_copy()
     live_extra, experts = result.peak_extra("live"), result.layer_experts
     live_limit = result.buffer_size + experts
+    per_expert_extra, margin = result.peak_extra("live-per-expert"), TARGET_PER_EXPERT_MARGIN
+    fp8 = result.find("live-fp8", result.sizes[0], n)
     lines += [
         "not counted: rank start-up and imports",
         "",
@@ -179,6 +183,11 @@ def format_report(result: BenchResult) -> list[str]:
             f"live peak extra <= chunk + {result.yardstick}",
             live_extra <= live_limit,
             f"{live_extra / 1e6:.1f} MB vs {result.buffer_size / 1e6:.1f} + {experts / 1e6:.1f} MB",
+        ),
+        _target(
+            f"live per-expert peak extra <= chunk + {margin / 1e6:.0f} MB",
+            per_expert_extra <= result.buffer_size + margin,
+            f"{per_expert_extra / 1e6:.1f} MB vs {result.buffer_size / 1e6:.1f} + {margin / 1e6:.0f} MB",
         ),
         _target(
             f"live <= {TARGET_LIVE_VS_COPY:g}x a plain copy",
@@ -227,7 +236,9 @@ def format_report(result: BenchResult) -> list[str]:
         f"export_vs_reference={_fmt(export, 3)} import_vs_reference={_fmt(imp, 3)} "
         f"live_vs_copy={_fmt(live_vs_copy, 3)} live_peak_extra_mb={live_extra / 1e6:.1f} "
         f"{result.yardstick_key}_mb={experts / 1e6:.1f} import_peak_extra_mb={result.peak_extra('import') / 1e6:.1f} "
-        f"export_peak_extra_mb={result.peak_extra('export') / 1e6:.1f}"
+        f"export_peak_extra_mb={result.peak_extra('export') / 1e6:.1f} "
+        f"live_per_expert_peak_extra_mb={per_expert_extra / 1e6:.1f} "
+        f"live_fp8_gb_per_s={_fmt(fp8.gb_per_s if fp8 else math.nan, 3)}"
     )
     return lines
 

@@ -67,6 +67,16 @@ def build_export_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument(
         "--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard of OUT (default 5GB)"
     )
+    parser.add_argument(
+        "--quantize",
+        choices=("fp8",),
+        help=(
+            "fp8: write the block-FP8 checkpoint vLLM serves: q/k/v/o, the MLP and every routed expert (per expert: "
+            "experts.<e>.{gate,up,down}_proj.weight) as float8_e4m3fn NAME plus float32 NAME_scale_inv "
+            "(128x128 blocks, scale = block amax / 448); embeddings, norms, router, layer_scalar and the vision/audio "
+            "towers bitwise; config.json gets the quantization_config (dynamic activations, the bf16 modules listed)"
+        ),
+    )
     parser.set_defaults(func=run_export, prog=parser.prog, output_arg="output")
     return parser
 
@@ -111,7 +121,7 @@ def _report(args: argparse.Namespace, result: Mapping[str, Any]) -> None:
         hf = result["hf_output"]
         print(
             f"wrote HF {result['output']}: {hf['tensors']} tensors in {hf['shards']} safetensors shard(s), "
-            f"{hf['files']} files, {hf['bytes']:,} bytes"
+            f"{hf['files']} files, {hf['bytes']:,} bytes{' (block FP8)' if result.get('quantize') else ''}"
         )
 
 
@@ -164,8 +174,8 @@ def run_export(args: argparse.Namespace) -> int:
     except ValueError as error:
         return errors.refuse(args.prog, error)
     try:
-        job_args = (str(checkpoint.path), str(source.path), str(out), topology, args.force, max_shard_size)
-        results = launch(args.nproc, export_job, *job_args)
+        locations = (str(checkpoint.path), str(source.path), str(out))
+        results = launch(args.nproc, export_job, *locations, topology, args.force, max_shard_size, args.quantize)
         _report(args, results[0])
     except KeyboardInterrupt:  # errors.run_command says whether the output was complete
         raise

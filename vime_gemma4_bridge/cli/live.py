@@ -14,6 +14,7 @@ from pathlib import Path
 
 from vime_gemma4_bridge.cli.arguments import add_job_arguments
 from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.core.hf_layout import EXPERT_LAYOUT_ENV, EXPERT_LAYOUTS, PER_EXPERT, STACKED
 from vime_gemma4_bridge.runtime.launch import is_reporting_process, launch
 
 __all__ = ["add_export_live_parser", "add_verify_parser"]
@@ -40,6 +41,26 @@ def add_export_live_parser(subparsers: argparse._SubParsersAction) -> None:
         help="chunk bound (vime's --update-weight-buffer-size), e.g. 1GiB",
     )
     parser.add_argument("--dump", required=True, metavar="DIR", help="directory to write the chunk files into")
+    parser.add_argument(
+        "--expert-layout",
+        choices=EXPERT_LAYOUTS,
+        default=STACKED,
+        help=(
+            "routed experts as the checkpoint stacks them (experts.gate_up_proj [E, 2I, H], experts.down_proj; "
+            "the default), or per-expert: experts.<e>.{gate,up,down}_proj.weight, each yielded as soon as it is "
+            "gathered, so the export never holds a layer's stack (vLLM's Gemma 4 loader takes both; vime: set "
+            f"{EXPERT_LAYOUT_ENV}=per-expert in the actor's environment)"
+        ),
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=("fp8",),
+        help=(
+            "fp8: block FP8 (128x128, e4m3 NAME + float32 NAME_scale_inv, scale = block amax / 448) for "
+            "q/k/v/o, the MLP and every expert; embeddings, norms, router and layer_scalar bitwise. Implies "
+            "--expert-layout per-expert"
+        ),
+    )
     parser.set_defaults(func=run_export_live, output_arg="dump")
 
 
@@ -58,7 +79,18 @@ def run_export_live(args: argparse.Namespace) -> int:
         topology, _, buffer_size = preflight.command_inputs(args, output_checks)
     except ValueError as error:
         return errors.refuse("vime-gemma4 export-live", error)
-    result = launch(args.nproc, export_live_job, args.hf_checkpoint, topology, args.dump, buffer_size, args.force)[0]
+    layout = PER_EXPERT if args.quantize else args.expert_layout
+    result = launch(
+        args.nproc,
+        export_live_job,
+        args.hf_checkpoint,
+        topology,
+        args.dump,
+        buffer_size,
+        args.force,
+        layout,
+        args.quantize,
+    )[0]
     if not is_reporting_process():
         return 0
     if args.json:
@@ -66,8 +98,8 @@ def run_export_live(args: argparse.Namespace) -> int:
     else:
         print(
             f"export-live: {result['tensors']} tensors, {result['bytes']:,} bytes in {result['chunks']} chunk "
-            f"file(s) (largest {result['largest_chunk_bytes']:,} bytes, buffer {buffer_size:,}) at {topology} "
-            f"-> {result['dump']}"
+            f"file(s) (largest {result['largest_chunk_bytes']:,} bytes, buffer {buffer_size:,}) at {topology}, "
+            f"experts {layout}{', fp8' if args.quantize else ''} -> {result['dump']}"
         )
     return 0
 
@@ -109,8 +141,10 @@ def run_verify(args: argparse.Namespace) -> int:
         for problem in report["problems"]:
             print(f"MISMATCH {problem}")
         verdict = "OK" if report["ok"] else "FAILED"
+        layout = "" if report["expert_layout"] == STACKED else f", experts {report['expert_layout']} (restacked)"
+        fp8 = ", fp8 (against the checkpoint quantized)" if report["fp8"] else ""
         print(
             f"verify-update {verdict}: {report['matched']}/{report['expected']} language-model tensors bitwise "
-            f"identical in {report['files']} file(s) of {report['directory']}"
+            f"identical in {report['files']} file(s) of {report['directory']}{layout}{fp8}"
         )
     return 0 if report["ok"] else 1

@@ -31,7 +31,9 @@ from typing import Any
 
 import torch
 
+from vime_gemma4_bridge.convert.fp8 import quantize_stream
 from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.core.hf_layout import PER_EXPERT, STACKED, check_expert_layout, stack_of
 from vime_gemma4_bridge.io import hf as hf_io
 from vime_gemma4_bridge.io.commit import atomic_directory
 
@@ -55,24 +57,62 @@ def megatron_names_by_hf_name(conversion_tasks: Iterable[Any]) -> dict[str, str]
     return names
 
 
+def megatron_name_of(names: dict[str, str], hf_name: str) -> str:
+    """The Megatron parameter of ``hf_name``; a per-expert name's is its expert's (``linear_fc1.weight<e>``)."""
+    if hf_name in names:
+        return names[hf_name]
+    stack, expert, _ = stack_of(hf_name) or (hf_name, None, None)
+    if expert is None or stack not in names:
+        raise KeyError(f"{hf_name}: no conversion task exports it")
+    return f"{names[stack]}{expert}"
+
+
 def iter_hf_weights(
-    bridge: Any, model: list[torch.nn.Module], *, cpu: bool = False, conversion_tasks: list | None = None
+    bridge: Any,
+    model: list[torch.nn.Module],
+    *,
+    cpu: bool = False,
+    conversion_tasks: list | None = None,
+    expert_layout: str = STACKED,
+    quantize: str | None = None,
 ) -> Iterator[NamedWeight]:
     """Stream ``(hf_name, tensor, megatron_name)`` of the language model; collective over all ranks.
 
     With ``conversion_tasks`` the caller's weights are the only ones read (vime's sleeping actor,
     core/tied.py); without, the tasks are the bridge's and the tied copies are checked first.
+    ``expert_layout="per-expert"`` yields each routed expert's gate/up/down on its own, as soon as
+    it is gathered (the bridge's hook, :func:`~vime_gemma4_bridge.core.bridge.exporting_experts`, is
+    set around each step of the bridge's export and nowhere else). ``quantize="fp8"`` yields the
+    block-FP8 layout (:mod:`vime_gemma4_bridge.convert.fp8`) and implies the per-expert layout.
     """
+    if quantize not in (None, "fp8"):
+        raise ValueError(f"quantize={quantize!r}: only 'fp8' is supported")
+    if quantize == "fp8":
+        expert_layout = PER_EXPERT
+    check_expert_layout(expert_layout)  # before any collective
     if conversion_tasks is None:
         from vime_gemma4_bridge.core.tied import check_tied_embeddings
 
         check_tied_embeddings(model)
     tasks = conversion_tasks if conversion_tasks is not None else bridge.get_conversion_tasks(model)
+    stream = _exported(bridge, model, cpu, tasks, expert_layout)
+    yield from quantize_stream(stream) if quantize == "fp8" else stream
+
+
+def _exported(bridge: Any, model: list, cpu: bool, tasks: list, expert_layout: str) -> Iterator[NamedWeight]:
+    """The bridge's export, in ``expert_layout``, each name once, with its Megatron name."""
+    from vime_gemma4_bridge.core.bridge import exporting_experts
+
     megatron_names = megatron_names_by_hf_name(tasks)
+    exported = iter(bridge.export_hf_weights(model, cpu=cpu, conversion_tasks=tasks, show_progress=False))
     seen: set[str] = set()
-    for item in bridge.export_hf_weights(model, cpu=cpu, conversion_tasks=tasks, show_progress=False):
+    while True:
+        with exporting_experts(expert_layout):
+            item = next(exported, None)
+        if item is None:
+            return
         hf_name, tensor = item[0], item[1]
-        megatron_name = item[2] if len(item) > 2 else megatron_names[hf_name]
+        megatron_name = item[2] if len(item) > 2 else megatron_name_of(megatron_names, hf_name)
         if hf_name in seen:
             raise ValueError(f"live export produced {hf_name!r} twice")
         seen.add(hf_name)
@@ -100,8 +140,18 @@ def chunk_by_bytes(weights: Iterable[NamedWeight], max_bytes: int) -> Iterator[l
         yield chunk
 
 
-def export_live_job(hf_checkpoint: str, topology: Topology, dump: str, buffer_size: int, force: bool) -> dict:
+def export_live_job(
+    hf_checkpoint: str,
+    topology: Topology,
+    dump: str,
+    buffer_size: int,
+    force: bool,
+    expert_layout: str = STACKED,
+    quantize: str | None = None,
+) -> dict:
     """Runs on every rank: load HF at ``topology``, stream the live export, rank 0 writes the chunks.
+
+    ``expert_layout`` and ``quantize`` are :func:`iter_hf_weights`'.
 
     Each chunk is one safetensors file (the one shard writer, :func:`~vime_gemma4_bridge.io.hf.save_safetensors`),
     named ``model-0000i-of-0000N`` once N is known, with an index and the checkpoint's side files; the
@@ -120,7 +170,8 @@ def export_live_job(hf_checkpoint: str, topology: Topology, dump: str, buffer_si
     with atomic_directory(out, replace=force) if writer else contextlib.nullcontext() as tmp:
         files: list[tuple[str, list[str], int]] = []
         start = time.perf_counter()
-        chunks = chunk_by_bytes(iter_hf_weights(bridge, model, cpu=True), buffer_size)
+        stream = iter_hf_weights(bridge, model, cpu=True, expert_layout=expert_layout, quantize=quantize)
+        chunks = chunk_by_bytes(stream, buffer_size)
         for index, chunk in enumerate(chunks, start=1):
             if tmp is None:
                 continue

@@ -161,14 +161,35 @@ def import_job(
     return result
 
 
+def _quantized_layout(source: Any, quantize: str | None) -> dict[str, Any]:
+    """``write_hf_checkpoint``'s arguments for ``quantize`` (none for a plain export)."""
+    if quantize is None:
+        return {}
+    if quantize != "fp8":
+        raise ValueError(f"--quantize {quantize!r}: only fp8 is supported")
+    from vime_gemma4_bridge.convert import fp8
+
+    shapes = {name: shape for name, (shape, _) in source.signatures(source.names()).items()}
+    config = fp8.quantization_config(fp8.ignored_layers(shapes))
+    return {"rewrite": fp8.quantized_checkpoint, "config_fields": {"quantization_config": config}}
+
+
 def export_job(
-    load: str, hf_checkpoint: str, output: str, topology: Topology, force: bool, max_shard_size: int
+    load: str,
+    hf_checkpoint: str,
+    output: str,
+    topology: Topology,
+    force: bool,
+    max_shard_size: int,
+    quantize: str | None = None,
 ) -> dict[str, Any]:
     """torch_dist at ``load`` → Megatron at ``topology`` → complete HF checkpoint at ``output``. Every rank.
 
     At the default topology (TP1·PP1·EP1·ETP1) the routed experts stream from the torch_dist files
     to the HF shards when the checkpoint stores them whole (:mod:`vime_gemma4_bridge.convert.stream_export`);
-    everything else, and every other topology, goes through the Megatron model.
+    everything else, and every other topology, goes through the Megatron model. ``quantize="fp8"``
+    writes the block-FP8 checkpoint vLLM serves (:func:`vime_gemma4_bridge.convert.fp8.quantized_checkpoint`,
+    experts per expert, ``quantization_config`` in ``config.json``), quantizing each weight as it is written.
     """
     import torch.distributed as dist
 
@@ -198,9 +219,15 @@ def export_job(
         result: dict[str, Any] | None = None
         if rank0:
             _check_exported(exported, signature)
-            with phases("write", f"writing {output}"):
+            with phases("write", f"writing {output}{' in block FP8' if quantize else ''}"):
                 written = hf_io.write_hf_checkpoint(
-                    output, exported, source, max_shard_size=max_shard_size, force=force, show_progress=True
+                    output,
+                    exported,
+                    source,
+                    max_shard_size=max_shard_size,
+                    force=force,
+                    show_progress=True,
+                    **_quantized_layout(source, quantize),
                 )
             tensor_bytes = sum(hf_io.tensor_nbytes(t) for t in exported.values())
             moved = phases.seconds["load"] + phases.seconds["export"] + phases.seconds["write"]
@@ -221,11 +248,12 @@ def export_job(
                 "seconds": round(time.perf_counter() - start, 3),
                 "gb_per_s": _rate(tensor_bytes, moved),
                 "phases": phases.seconds,
+                "quantize": quantize,
                 "hf_output": {
                     "files": files,
                     "bytes": nbytes,
                     "shards": len(list(written.glob("*.safetensors"))),
-                    "tensors": len(source.names()),
+                    "tensors": len(hf_io.HFCheckpoint(written).names()),
                 },
             }
         return convert.broadcast_from_rank0(result)

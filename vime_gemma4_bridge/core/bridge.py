@@ -17,10 +17,13 @@ classes and conversion tasks). What is Gemma 4's own (each a gap listed in docs/
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -40,7 +43,15 @@ from vime_gemma4_bridge.compat.mappings import (
     RowParallel,
     RowParallelFusedExpertMapping,
 )
-from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX, global_kv_heads
+from vime_gemma4_bridge.core.hf_layout import (
+    EXPERT_LAYOUT_ENV,
+    LANGUAGE_MODEL_PREFIX,
+    PER_EXPERT,
+    STACKED,
+    check_expert_layout,
+    global_kv_heads,
+    split_expert,
+)
 from vime_gemma4_bridge.core.layer_pattern import FULL, SLIDING, pattern_from_layer_types
 from vime_gemma4_bridge.core.provider import Gemma4DenseTextModelProvider, Gemma4TextModelProvider
 from vime_gemma4_bridge.core.tied import broadcast_tied_embeddings, check_tied_embeddings
@@ -161,6 +172,25 @@ def build_registry(table: Iterable[tuple[type, str, str | dict[str, str]]], hf_p
     return MegatronMappingRegistry(*mappings)
 
 
+_EXPERT_LAYOUT: ContextVar[str | None] = ContextVar("vime_gemma4_expert_layout", default=None)
+
+
+def expert_layout() -> str:
+    """The expert layout now: :func:`exporting_experts`' inside one, else the environment's, else stacked."""
+    layout = _EXPERT_LAYOUT.get()
+    return layout or check_expert_layout(os.environ.get(EXPERT_LAYOUT_ENV) or STACKED, EXPERT_LAYOUT_ENV)
+
+
+@contextlib.contextmanager
+def exporting_experts(layout: str) -> Iterator[None]:
+    """Export experts in ``layout`` inside this block (it overrides the environment); wrap each step of an export."""
+    token = _EXPERT_LAYOUT.set(check_expert_layout(layout))
+    try:
+        yield
+    finally:
+        _EXPERT_LAYOUT.reset(token)
+
+
 class UnsupportedCheckpoint(ValueError):
     """The checkpoint is Gemma 4, but not one this plugin (on this Megatron-Bridge build) can convert."""
 
@@ -273,21 +303,27 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
         grouped_buffers: dict,
         hf_state_dict: Any,
         *args: Any,
+        grouped_sources: dict[str, list[str]] | None = None,
         **kwargs: Any,
     ) -> dict | None:
-        """Stack each expert into its layer's tensor as it arrives, instead of buffering all then stacking.
+        """Stack each expert into its layer's tensor as it arrives, or hand it on at once (per-expert layout).
 
         Megatron-Bridge keeps every converted expert of a layer until the last one arrives, then
         copies them into a stacked tensor: two copies of a layer's experts at the peak. Writing each
         expert into a preallocated ``[E, ...]`` tensor keeps one (plus the expert in flight), which
-        is what bounds the live export's memory to a chunk plus one layer's stacked experts. Same
-        placement rule as upstream (the expert's global number; under EP the gathered ``[EP, ...]``
-        value holds that local expert of every EP rank). A build that calls this hook with other
-        arguments, and mappings that transpose on export, keep upstream's path.
+        is what bounds the live export's memory to a chunk plus one layer's stacked experts. In the
+        per-expert layout (:func:`expert_layout`) nothing is kept: each expert gathered is returned
+        at once as its per-expert tensors (views of the gathered value), so the export's memory no
+        longer grows with the number of experts. Same placement rule as upstream (the expert's
+        global number; under EP the gathered ``[EP, ...]`` value holds that local expert of every EP
+        rank; UPSTREAM 44). ``grouped_sources`` (vime's fork from 04c0fd03 passes it, docs/SEAMS.md) gets the
+        Megatron name of every expert in each name returned, as upstream records it. A build that
+        calls this hook with other arguments, and mappings that transpose on export, keep upstream's path.
         """
         if args or kwargs or getattr(task.mapping, "transpose_on_export", False):
+            sources = {} if grouped_sources is None else {"grouped_sources": grouped_sources}
             return super()._accumulate_grouped_export(
-                task, converted_weights_dict, model_config, grouped_buffers, hf_state_dict, *args, **kwargs
+                task, converted_weights_dict, model_config, grouped_buffers, hf_state_dict, *args, **sources, **kwargs
             )
         from megatron.bridge.utils.common_utils import extract_expert_number_from_param
         from megatron.core import parallel_state
@@ -299,11 +335,21 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
             local = extract_expert_number_from_param(task.param_name) % per_rank
         except ValueError:
             return None
+        per_expert = expert_layout() == PER_EXPERT
         complete = {}
         for key, value in converted_weights_dict.items():
             gathered = ep_size > 1 and value.ndim > 0 and value.shape[0] == ep_size
             slots = [local + rank * per_rank for rank in range(ep_size)] if gathered else [local]
             pieces = value if gathered else value.unsqueeze(0)
+            if per_expert:
+                for slot, piece in zip(slots, pieces, strict=True):
+                    for name, part in split_expert(key, slot, piece):
+                        complete[name] = part
+                        if grouped_sources is not None:
+                            grouped_sources.setdefault(name, []).append(task.param_name)
+                continue
+            if grouped_sources is not None:
+                grouped_sources.setdefault(key, []).append(task.param_name)
             entry = grouped_buffers.get(key)
             if entry is None:
                 stack = torch.empty((num_experts, *pieces.shape[1:]), dtype=pieces.dtype, device=pieces.device)

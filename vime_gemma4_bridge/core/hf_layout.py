@@ -1,10 +1,12 @@
-"""Where the Gemma 4 language model lives in each HF class's checkpoint and config, and its full layers' KV heads.
+"""Where the Gemma 4 language model lives in each HF class's checkpoint and config, its full layers' KV heads,
+and the routed experts' two HF layouts (stacked, per expert).
 
-No imports: cheap (the command line's pre-flight and topology checks read it before torch loads).
+No heavy imports: cheap (the command line's pre-flight and topology checks read it before torch loads).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,3 +36,63 @@ def global_kv_heads(text: Mapping[str, Any] | Any) -> int:
     if field("attention_k_eq_v") and field("num_global_key_value_heads"):
         return int(field("num_global_key_value_heads"))
     return int(field("num_key_value_heads"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The routed experts' two HF layouts. The checkpoint stacks them (``experts.gate_up_proj``
+# [E, 2I, H], gate rows then up rows as transformers' ``Gemma4TextExperts`` chunks them, and
+# ``experts.down_proj`` [E, H, I]); vLLM's Gemma 4 loader also takes one 2-D tensor per expert and
+# projection (``experts.{e}.gate_proj.weight`` ...), which a live stream can yield as soon as each
+# expert is gathered, without holding a layer's stack.
+# ---------------------------------------------------------------------------------------------
+STACKED = "stacked"
+PER_EXPERT = "per-expert"
+EXPERT_LAYOUTS = (STACKED, PER_EXPERT)
+#: vime's zero-edit switch: set to ``per-expert`` in the actor's environment, the bridge's own
+#: ``export_hf_weights`` yields each routed expert on its own (``core/bridge.expert_layout``).
+EXPERT_LAYOUT_ENV = "VIME_GEMMA4_EXPERT_LAYOUT"
+
+
+def check_expert_layout(layout: str, what: str = "expert layout") -> str:
+    """``layout`` if it is one of :data:`EXPERT_LAYOUTS`; a one-line refusal naming ``what`` set it otherwise."""
+    if layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"{what} {layout!r}: expected one of {', '.join(EXPERT_LAYOUTS)}")
+    return layout
+
+
+#: A stacked expert tensor's name: ``<layer>.experts.gate_up_proj`` or ``<layer>.experts.down_proj``.
+STACK_NAME = re.compile(r"^(?P<experts>.+\.experts)\.(?P<stack>gate_up_proj|down_proj)$")
+#: A per-expert tensor's name: ``<layer>.experts.<e>.<gate|up|down>_proj.weight``, or its FP8 scale
+#: (``….weight_scale_inv``, convert/fp8.py), whose stack is named ``<layer>.experts.gate_up_proj_scale_inv``.
+PER_EXPERT_NAME = re.compile(
+    r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight(?P<suffix>_scale_inv)?$"
+)
+#: Stack → the per-expert projections it holds, in its row order.
+STACK_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def per_expert_name(stack_name: str, expert: int, projection: str) -> str:
+    """The per-expert name of ``projection`` of ``expert`` in the stack ``stack_name``."""
+    match = STACK_NAME.match(stack_name)
+    if match is None:
+        raise ValueError(f"{stack_name!r} is not a stacked expert tensor")
+    return f"{match['experts']}.{expert}.{projection}.weight"
+
+
+def split_expert(stack_name: str, expert: int, weight: Any) -> list[tuple[str, Any]]:
+    """One expert's slice of a stack as its per-expert tensors: views, no copy (gate rows, then up rows)."""
+    projections = STACK_PROJECTIONS[STACK_NAME.match(stack_name)["stack"]]
+    rows = weight.shape[0] // len(projections)
+    return [
+        (per_expert_name(stack_name, expert, projection), weight[index * rows : (index + 1) * rows])
+        for index, projection in enumerate(projections)
+    ]
+
+
+def stack_of(per_expert: str) -> tuple[str, int, str] | None:
+    """``(stack name, expert, projection)`` of a per-expert name (or scale); ``None`` for any other name."""
+    match = PER_EXPERT_NAME.match(per_expert)
+    if match is None:
+        return None
+    stack = next(stack for stack, projections in STACK_PROJECTIONS.items() if match["proj"] in projections)
+    return f"{match['experts']}.{stack}{match['suffix'] or ''}", int(match["expert"]), match["proj"]

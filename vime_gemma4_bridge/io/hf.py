@@ -23,6 +23,7 @@ import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -260,6 +261,9 @@ class LazyTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+NamedTensor = tuple[str, torch.Tensor | LazyTensor]
+
+
 def tensor_nbytes(tensor: torch.Tensor | LazyTensor) -> int:
     """Bytes of an eager or lazy tensor."""
     return tensor.nbytes if isinstance(tensor, LazyTensor) else tensor.numel() * tensor.element_size()
@@ -273,6 +277,8 @@ def write_hf_checkpoint(
     max_shard_size: int = 5 * 10**9,
     force: bool = False,
     show_progress: bool = False,
+    rewrite: Callable[[list[NamedTensor]], list[NamedTensor]] | None = None,
+    config_fields: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a complete HF checkpoint: ``language_tensors`` plus everything else copied from ``source``.
 
@@ -280,6 +286,8 @@ def write_hf_checkpoint(
     are produced while written, so for a streaming export this is the long phase). The checkpoint
     is assembled in a temporary sibling directory and renamed into place only when complete, so an
     interrupted run leaves nothing that looks like a checkpoint; the source is only read.
+    ``rewrite`` turns the complete, ordered list into another layout (FP8 export:
+    ``convert/fp8.quantized_checkpoint``) and ``config_fields`` are set in its ``config.json``.
     """
     out = prepare_output(out, force=force)
     expected = set(source.language_model_names())
@@ -290,12 +298,17 @@ def write_hf_checkpoint(
     try:
         with atomic_directory(out, replace=force) as tmp:
             copy_side_files(source, tmp)
+            if config_fields:
+                config = json.loads((tmp / "config.json").read_text())
+                (tmp / "config.json").write_text(json.dumps({**config, **config_fields}, indent=2) + "\n")
             # Copied from the source shard as they are written, not loaded beforehand: the vision
             # tower costs no memory, whatever its size.
             other_tensors = {name: source.lazy(name) for name in source.names() if name not in expected}
             ordered = [
                 (name, language_tensors[name] if name in expected else other_tensors[name]) for name in source.names()
             ]
+            if rewrite is not None:
+                ordered = rewrite(ordered)
             with _progress(f"Writing {out.name}", len(ordered), show_progress) as advance:
                 write_shards(tmp, ordered, max_shard_size, advance=advance)
     except OSError as error:  # disk full, permission denied, read-only file system, ...
@@ -384,6 +397,7 @@ SAFETENSORS_DTYPES = {
     torch.uint16: "U16",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",  # block-FP8 exports (convert/fp8.py)
 }
 DTYPE_BYTES = {name: dtype.itemsize for dtype, name in SAFETENSORS_DTYPES.items()}
 TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}

@@ -37,6 +37,7 @@ from vime_gemma4_bridge.verify.compare import TensorFiles, compare_tensors, diff
 from vime_gemma4_bridge.verify.diagnose import Evidence, diagnose
 from vime_gemma4_bridge.verify.doctor_report import DoctorReport, ExpertRow, ExpertTable, TensorRecord
 from vime_gemma4_bridge.verify.fingerprint import Fingerprint, fingerprint, stacked_digest, swap_halves, tensor_digest
+from vime_gemma4_bridge.verify.layouts import Restacked
 from vime_gemma4_bridge.verify.report import EXPERT_SUFFIXES, LAYER_RE, family_of
 
 _ATTN_PROJ_RE = re.compile(r"\.self_attn\.(?P<which>[qkv])_proj\.weight$")
@@ -72,8 +73,11 @@ class _Comparator:
         self.a_expert_fps: dict[str, list[Fingerprint]] = {}
 
     def run(self) -> DoctorReport:
-        """Every tensor of A in file order, then B's extras; one tensor pair in memory at a time."""
-        with TensorFiles.of_checkpoint(self.a) as ra, TensorFiles.of_checkpoint(self.b) as rb:
+        """Every tensor of A in file order, then B's extras; one tensor pair in memory at a time.
+
+        Per-expert experts (a live stream's dump) are read as their stacks (:class:`Restacked`).
+        """
+        with Restacked(TensorFiles.of_checkpoint(self.a)) as ra, Restacked(TensorFiles.of_checkpoint(self.b)) as rb:
             for pair in walk(ra, rb):
                 if pair.candidate is None:
                     record = self._one_sided(pair.name, pair.reference, "missing")

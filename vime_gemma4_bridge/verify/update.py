@@ -12,9 +12,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+from vime_gemma4_bridge.convert.fp8 import SCALE_SUFFIX
+from vime_gemma4_bridge.core.hf_layout import PER_EXPERT, STACKED
 from vime_gemma4_bridge.io import hf as hf_io
 from vime_gemma4_bridge.verify.compare import TensorFiles, compare_tensors, difference, walk
 from vime_gemma4_bridge.verify.fingerprint import tensor_digest
+from vime_gemma4_bridge.verify.layouts import Quantized, Restacked
 
 __all__ = ["latest_version_dir", "verify_update"]
 
@@ -25,23 +28,31 @@ def latest_version_dir(dump: Path) -> Path:
     return versions[-1] if versions else dump
 
 
+def _reference(source: hf_io.HFCheckpoint, pushed: TensorFiles) -> TensorFiles:
+    """The checkpoint's language model as the update should hold it: FP8-quantized if it holds FP8 scales."""
+    reference = TensorFiles.of_checkpoint(source, source.language_model_names())
+    return Quantized(reference) if any(name.endswith(SCALE_SUFFIX) for name in pushed.names()) else reference
+
+
 def verify_update(hf_checkpoint: str | Path, dump: str | Path) -> dict[str, Any]:
     """Compare what was pushed (chunk files under ``dump``) with the checkpoint's language model.
 
     Returns a report whose ``problems`` lists every mismatch by tensor name: missing, unexpected,
     pushed twice, dtype/shape changed, or different values (with expected and received fingerprints).
     The comparison engine pairs the pushed tensors, in file order, with the checkpoint's, reading
-    one pair at a time.
+    one pair at a time. Per-expert experts are compared as their restacked stacks, and an FP8
+    update with the checkpoint quantized the same way (:mod:`vime_gemma4_bridge.verify.layouts`),
+    bitwise in both cases.
     """
     source = hf_io.HFCheckpoint(hf_checkpoint)
     directory = latest_version_dir(Path(dump))
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise hf_io.CheckpointError(f"{directory} holds no .safetensors chunk files")
-    expected = source.language_model_names()
     problems: list[str] = []
     matched = 0
-    with TensorFiles.of_checkpoint(source, expected) as reference, TensorFiles.of_files(files) as pushed:
+    with Restacked(TensorFiles.of_files(files)) as pushed, _reference(source, pushed) as reference:
+        expected = reference.names()
         for pair in walk(reference, pushed, order="candidate"):
             name, ref, got = pair.name, pair.reference, pair.candidate
             if pair.again_in is not None:
@@ -61,9 +72,13 @@ def verify_update(hf_checkpoint: str | Path, dump: str | Path) -> dict[str, Any]
                 )
             else:
                 matched += 1
+        layout = PER_EXPERT if pushed.restacked else STACKED
+        fp8 = isinstance(reference, Quantized)
     return {
         "directory": str(directory),
         "files": len(files),
+        "expert_layout": layout,
+        "fp8": fp8,
         "expected": len(expected),
         "matched": matched,
         "problems": problems,

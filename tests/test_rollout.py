@@ -1,0 +1,297 @@
+"""Rollout-ready streams without ranks: block FP8, the per-expert layout, their views and vLLM's naming rules.
+
+The multi-rank streams (TP2·PP2·EP4 on 8 ranks, the default topology, the fork seams, vime's switch)
+are in tests/test_live.py, beside the live export they share a world with.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from vllm_names import coverage, with_scales
+
+from vime_gemma4_bridge.convert.fp8 import (
+    BLOCK,
+    FP8_MAX,
+    SCALE_SUFFIX,
+    dequantize_block_fp8,
+    ignored_layers,
+    is_quantized,
+    quantize_block_fp8,
+    quantize_stream,
+    quantized_checkpoint,
+)
+from vime_gemma4_bridge.core.hf_layout import STACK_NAME, split_expert, stack_of, text_config_dict
+from vime_gemma4_bridge.io.hf import HFCheckpoint, LazyTensor
+from vime_gemma4_bridge.testing.spec import TinySpec
+from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
+from vime_gemma4_bridge.verify.update import verify_update
+
+P = "model.language_model."
+
+
+@pytest.fixture(scope="module")
+def hf_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("rollout") / "hf", TinySpec(seed=5))
+
+
+def per_expert_stream(source: HFCheckpoint) -> list[tuple[str, torch.Tensor]]:
+    """The language model in the per-expert layout, as the bridge's hook splits each expert."""
+    out = []
+    for name, tensor in source.load(source.language_model_names()).items():
+        if STACK_NAME.match(name):
+            out += [part for e, piece in enumerate(tensor) for part in split_expert(name, e, piece)]
+        else:
+            out.append((name, tensor))
+    return out
+
+
+def write_dump(directory: Path, named: list[tuple[str, torch.Tensor]], files: int = 3) -> Path:
+    directory.mkdir(parents=True)
+    step = -(-len(named) // files)
+    for index in range(files):
+        part = {name: tensor.contiguous() for name, tensor in named[index * step : (index + 1) * step]}
+        save_file(part, directory / f"model-{index + 1:05d}-of-{files:05d}.safetensors")
+    return directory
+
+
+# ------------------------------------------------------------------------------------ block FP8
+
+
+def test_block_fp8_scales_are_block_maxima_and_dequantise_within_e4m3_rounding() -> None:
+    torch.manual_seed(0)
+    weight = (torch.randn(300, 260) * torch.logspace(-3, 1, 260)).to(torch.bfloat16)  # ragged edge blocks
+    weight[128:256, 128:256] = 0  # an all-zero block
+    q, scale = quantize_block_fp8(weight)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == weight.shape
+    assert scale.dtype == torch.float32 and scale.shape == (3, 3)  # ceil(300/128), ceil(260/128)
+    for i in range(3):
+        for j in range(3):
+            block = weight[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK].float()
+            amax = block.abs().max()
+            assert scale[i, j] == (amax / FP8_MAX if amax > 0 else 1.0), (i, j)
+    exact = weight.float()
+    error = (dequantize_block_fp8(q, scale) - exact).abs()
+    per_element = scale.repeat_interleave(BLOCK, 0)[:300].repeat_interleave(BLOCK, 1)[:, :260]
+    # e4m3: 3 mantissa bits (half an ulp is 2^-4 of the value) above 2^-6; subnormal steps of 2^-9 below
+    bound = torch.maximum(exact.abs() * 2**-4, per_element * 2**-10)
+    assert bool((error <= bound * 1.0001).all()), float((error / bound).max())
+    assert torch.equal(dequantize_block_fp8(q, scale)[128:256, 128:256], torch.zeros(128, 128))
+    assert q.float().abs().max() <= FP8_MAX
+
+
+def test_block_fp8_refuses_what_it_cannot_quantize() -> None:
+    with pytest.raises(ValueError, match="2-D weights"):
+        quantize_block_fp8(torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError, match="per-expert expert layout"):
+        list(quantize_stream([(P + "layers.0.experts.gate_up_proj", torch.zeros(2, 4, 4), "m")]))
+
+
+def test_fp8_quantizes_exactly_the_gemm_weights(hf_vl: Path) -> None:
+    source = HFCheckpoint(hf_vl)
+    quantized = {name for name, _ in per_expert_stream(source) if is_quantized(name)}
+    kinds = {name.split(".layers.")[1].split(".", 1)[1] for name in quantized}
+    kinds = {"experts.E." + k.split(".", 2)[2] if k.startswith("experts.") else k for k in kinds}
+    assert kinds == {
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "experts.E.gate_proj.weight",
+        "experts.E.up_proj.weight",
+        "experts.E.down_proj.weight",
+    }
+    for name in source.names():  # never a tower's layer, a norm, the router, an embedding, layer_scalar
+        if not name.startswith(P) or any(k in name for k in ("norm", "router", "embed", "layer_scalar")):
+            assert not is_quantized(name), name
+
+
+# ------------------------------------------------------------------------------- per-expert layout
+
+
+def test_per_expert_names_round_trip() -> None:
+    stack = P + "layers.3.experts.gate_up_proj"
+    parts = split_expert(stack, 7, torch.arange(8.0).reshape(4, 2))
+    assert [name for name, _ in parts] == [
+        P + "layers.3.experts.7.gate_proj.weight",
+        P + "layers.3.experts.7.up_proj.weight",
+    ]
+    assert torch.equal(parts[1][1], torch.tensor([[4.0, 5.0], [6.0, 7.0]]))  # up rows follow gate rows
+    assert stack_of(parts[0][0]) == (stack, 7, "gate_proj")
+    assert stack_of(P + "layers.3.experts.7.down_proj.weight" + SCALE_SUFFIX) == (
+        P + "layers.3.experts.down_proj" + SCALE_SUFFIX,
+        7,
+        "down_proj",
+    )
+    assert stack_of(P + "layers.3.mlp.down_proj.weight") is None
+
+
+def test_verify_update_restacks_a_per_expert_update_bitwise(hf_vl: Path, tmp_path: Path) -> None:
+    source = HFCheckpoint(hf_vl)
+    dump = write_dump(tmp_path / "ok", per_expert_stream(source))
+    report = verify_update(hf_vl, dump)
+    assert report["ok"] and report["expert_layout"] == "per-expert", report["problems"]
+    assert report["matched"] == len(source.language_model_names())
+
+    named = per_expert_stream(source)
+    one = P + "layers.2.experts.5.up_proj.weight"
+    stray = P + "layers.1.experts.3.down_proj.weight"
+    named = [(n, t.flip(0) if n == one else t) for n, t in named if n != stray]  # one expert wrong, one missing
+    report = verify_update(hf_vl, write_dump(tmp_path / "bad", named))
+    problems = "\n".join(report["problems"])
+    assert f"{P}layers.2.experts.gate_up_proj: values differ" in problems
+    assert f"{P}layers.1.experts.down_proj: missing from the update" in problems  # incomplete: not restacked
+    assert f"{P}layers.1.experts.0.down_proj.weight: not a language-model tensor" in problems
+
+
+def test_verify_update_checks_an_fp8_update_bitwise(hf_vl: Path, tmp_path: Path) -> None:
+    source = HFCheckpoint(hf_vl)
+    named = [(n, t) for n, t, _ in quantize_stream((n, t, "") for n, t in per_expert_stream(source))]
+    report = verify_update(hf_vl, write_dump(tmp_path / "ok", named))
+    assert report["ok"] and report["fp8"], report["problems"]
+    scale = P + "layers.0.self_attn.o_proj.weight" + SCALE_SUFFIX
+    named = [(n, t * 2 if n == scale else t) for n, t in named]
+    report = verify_update(hf_vl, write_dump(tmp_path / "bad", named))
+    assert len(report["problems"]) == 1 and report["problems"][0].startswith(f"{scale}: values differ")
+
+
+def test_doctor_reads_a_per_expert_checkpoint(hf_vl: Path, tmp_path: Path) -> None:
+    from test_doctor import diagnose
+
+    source = HFCheckpoint(hf_vl)
+    language = per_expert_stream(source)
+    others = [(n, t) for n, t in source.load().items() if not n.startswith(P)]
+
+    def checkpoint(out: Path, named: list[tuple[str, torch.Tensor]]) -> Path:
+        write_dump(out, named, files=1)
+        shutil.copy(hf_vl / "config.json", out / "config.json")
+        file = next(out.glob("*.safetensors"))
+        file.rename(out / "model.safetensors")
+        return out
+
+    status, text, _ = diagnose(hf_vl, checkpoint(tmp_path / "same", language + others))
+    assert status == 0 and text.startswith("IDENTICAL"), text
+    copy = dict(language)
+    copy[P + "layers.3.experts.15.down_proj.weight"] = copy[P + "layers.3.experts.3.down_proj.weight"].clone()
+    status, _, report = diagnose(hf_vl, checkpoint(tmp_path / "dup", list(copy.items()) + others))
+    assert status == 1 and report["causes"][0]["kind"] == "expert-duplicate"
+    assert "layer 3 expert 15 is a copy of expert 3" in report["causes"][0]["message"]
+
+
+# ----------------------------------------------------------------------------- vLLM's naming rules
+
+
+def test_vllm_oracle_loads_the_stacked_checkpoint_once_each(hf_vl: Path) -> None:
+    """The oracle itself: the HF checkpoint vLLM serves today loads every expert shard once, nothing twice."""
+    source = HFCheckpoint(hf_vl)
+    text = text_config_dict(source.config)
+    shapes = {n: s for n, (s, _) in source.signatures(source.language_model_names()).items()}
+    loaded = coverage(shapes.items(), text)
+    assert all(len(names) == 1 for names in loaded.values()), [t for t, n in loaded.items() if len(n) > 1]
+    experts = text["num_experts"]
+    for layer in range(text["num_hidden_layers"]):
+        w13 = {(s, e) for (p, s, e) in loaded if p == f"layers.{layer}.moe.experts.w13_weight"}
+        assert w13 == {(s, e) for s in ("w1", "w3") for e in range(experts)}
+        assert (f"layers.{layer}.layer_scalar", None, None) in loaded
+
+
+def test_per_expert_and_fp8_names_load_as_the_stacked_checkpoint_does(hf_vl: Path) -> None:
+    source = HFCheckpoint(hf_vl)
+    text = text_config_dict(source.config)
+    reference = set(coverage(((n, s) for n, (s, _) in source.signatures(source.language_model_names()).items()), text))
+    per_expert = per_expert_stream(source)
+    loaded = coverage(((n, t.shape) for n, t in per_expert), text)
+    assert set(loaded) == reference and all(len(names) == 1 for names in loaded.values())
+    fp8 = [(n, t) for n, t, _ in quantize_stream((n, t, "") for n, t in per_expert)]
+    loaded = coverage(((n, t.shape) for n, t in fp8), text)
+    assert set(loaded) == with_scales(reference) and all(len(names) == 1 for names in loaded.values())
+    assert with_scales(reference) != reference
+
+
+# ------------------------------------------------------------------------------ FP8 checkpoints
+
+
+def test_quantized_checkpoint_reads_a_lazy_stack_once(hf_vl: Path) -> None:
+    source = HFCheckpoint(hf_vl)
+    name = P + "layers.0.experts.gate_up_proj"
+    stack = source.load([name])[name]
+    reads = []
+
+    def pieces():
+        reads.append(1)
+        yield from stack.reshape(len(stack), -1)  # one expert a piece
+
+    lazy = LazyTensor(tuple(stack.shape), stack.dtype, pieces)
+    entries = quantized_checkpoint([(name, lazy), (P + "norm.weight", torch.ones(3))])
+    assert [n for n, _ in entries][:4] == [
+        P + "layers.0.experts.0.gate_proj.weight",
+        P + "layers.0.experts.0.gate_proj.weight" + SCALE_SUFFIX,
+        P + "layers.0.experts.0.up_proj.weight",
+        P + "layers.0.experts.0.up_proj.weight" + SCALE_SUFFIX,
+    ]
+    produced = {n: torch.cat([p.reshape(-1) for p in t.pieces()]) for n, t in entries[:-1]}
+    assert len(reads) == 1, "the lazy stack is read once, not once per expert"
+    for e, piece in enumerate(stack):
+        for part_name, part in split_expert(name, e, piece):
+            q, scale = quantize_block_fp8(part)
+            assert torch.equal(produced[part_name].view(torch.uint8), q.reshape(-1).view(torch.uint8))
+            assert torch.equal(produced[part_name + SCALE_SUFFIX], scale.reshape(-1))
+    assert entries[-1][0] == P + "norm.weight"
+
+
+def test_ignored_layers_name_every_bf16_module(hf_vl: Path) -> None:
+    source = HFCheckpoint(hf_vl)
+    shapes = {n: s for n, (s, _) in source.signatures(source.names()).items()}
+    ignored = ignored_layers(shapes)
+    assert P + "layers.0.router.proj" in ignored and P + "embed_tokens" in ignored
+    assert any(name.startswith("model.vision_tower.") for name in ignored)
+    assert not any(is_quantized(name + ".weight") for name in ignored)
+
+
+@pytest.mark.slow  # a conversion in this process (~20 s): not in the fast layer
+def test_export_quantize_fp8_writes_a_checkpoint_vllm_serves(hf_vl: Path, tmp_path: Path, capsys) -> None:
+    """At the default topology (experts streamed from the torch_dist files): the FP8 checkpoint, complete."""
+    from vime_gemma4_bridge.cli import main as cli
+
+    assert cli.main(["import", "--hf-checkpoint", str(hf_vl), "--save", str(tmp_path / "td")]) == 0
+    out = tmp_path / "fp8"
+    assert (
+        cli.main(
+            [
+                "export",
+                "--load",
+                str(tmp_path / "td"),
+                "--hf-checkpoint",
+                str(hf_vl),
+                "--output",
+                str(out),
+                "--quantize",
+                "fp8",
+            ]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.splitlines()[-1].endswith("(block FP8)")
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "fp8" and config["activation_scheme"] == "dynamic"
+    assert config["weight_block_size"] == [128, 128] and P + "layers.0.router.proj" in config["ignored_layers"]
+    written = {}
+    for file in out.glob("*.safetensors"):
+        written.update(load_file(file))
+    source = HFCheckpoint(hf_vl)
+    expected = [(n, t) for n, t, _ in quantize_stream((n, t, "") for n, t in per_expert_stream(source))]
+    expected += [(n, t) for n, t in source.load().items() if not n.startswith(P)]
+    assert sorted(written) == sorted(n for n, _ in expected)
+    for name, tensor in expected:
+        got = written[name]
+        assert got.dtype == tensor.dtype and torch.equal(
+            got.view(torch.uint8), tensor.contiguous().view(torch.uint8)
+        ), name
