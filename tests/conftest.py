@@ -19,39 +19,32 @@ if TYPE_CHECKING:
 TEST_ERROR_GRACE = 2.0
 
 
-#: Rank processes kept alive between tests (~1 GB each): worlds of several sizes stay up together
-#: (say 4 and 8 ranks) so that tests alternating between them do not respawn them.
-MAX_IDLE_RANKS = 12
-
-
 @pytest.fixture(scope="session")
 def local_world() -> Iterator[Callable[[int], LocalWorld]]:
     """``local_world(n)`` → a shared LocalWorld of ``n`` ranks (started on its first ``run``).
 
-    Worlds are kept by size, most recently used last; asking for a size that would take the ranks
-    alive past :data:`MAX_IDLE_RANKS` closes the least recently used ones first (a 16-rank world
-    runs alone). A world killed by a failing test respawns on its next ``run``. All are closed at
-    the end of the session. ``local_world.alive_pids()`` lists the ranks of every world kept.
+    At most one world is alive at a time, to cap memory: asking for another size closes the
+    current world first. A world killed by a failing test respawns on its next ``run``. All are
+    closed at the end of the session.
     """
     from vime_gemma4_bridge.runtime.world import LocalWorld
 
-    worlds: dict[int, LocalWorld] = {}
+    current: list[LocalWorld] = []
 
     def get(nproc: int) -> LocalWorld:
-        world = worlds.pop(nproc, None)
-        if world is None:
-            while worlds and sum(worlds) + nproc > MAX_IDLE_RANKS:
-                worlds.pop(next(iter(worlds))).close()
-            world = LocalWorld(nproc, error_grace=TEST_ERROR_GRACE)
-        worlds[nproc] = world  # most recently used last
+        if current and current[0].nproc == nproc:
+            return current[0]
+        while current:
+            current.pop().close()
+        world = LocalWorld(nproc, error_grace=TEST_ERROR_GRACE)
+        current.append(world)
         return world
 
-    get.alive_pids = lambda: {pid for world in worlds.values() for pid in world.pids}  # type: ignore[attr-defined]
     try:
         yield get
     finally:
-        for world in worlds.values():
-            world.close()
+        while current:
+            current.pop().close()
 
 
 #: Modules whose tests without rank processes (no ``local_world``) make up the fast unit layer.

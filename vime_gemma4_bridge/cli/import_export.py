@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from vime_gemma4_bridge.cli.arguments import add_job_arguments
+from vime_gemma4_bridge.cli.live import print_misfits
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.runtime.launch import is_reporting_process, launch
 
@@ -123,6 +124,7 @@ def _report(args: argparse.Namespace, result: Mapping[str, Any]) -> None:
             f"wrote HF {result['output']}: {hf['tensors']} tensors in {hf['shards']} safetensors shard(s), "
             f"{hf['files']} files, {hf['bytes']:,} bytes{' (block FP8)' if result.get('quantize') else ''}"
         )
+        print_misfits(result.get("vllm_block_misfits"))
 
 
 def run_import(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.core.hf_layout import EXPERT_LAYOUT_ENV, EXPERT_LAYOUTS, PER_EXPERT, STACKED
 from vime_gemma4_bridge.runtime.launch import is_reporting_process, launch
 
-__all__ = ["add_export_live_parser", "add_verify_parser"]
+__all__ = ["add_export_live_parser", "add_verify_parser", "print_misfits"]
 
 
 def add_export_live_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -101,7 +101,18 @@ def run_export_live(args: argparse.Namespace) -> int:
             f"file(s) (largest {result['largest_chunk_bytes']:,} bytes, buffer {buffer_size:,}) at {topology}, "
             f"experts {layout}{', fp8' if args.quantize else ''} -> {result['dump']}"
         )
+        print_misfits(result["vllm_block_misfits"])
     return 0
+
+
+def print_misfits(misfits: list[str] | None) -> None:
+    """Say which FP8 weights vLLM's block loader will refuse (``convert/fp8.vllm_block_misfits``), if any."""
+    if misfits:
+        print(
+            "note: vLLM's block-FP8 loader needs these multiples of 128 and will refuse this FP8 layout: "
+            + ", ".join(misfits)
+            + " (serve bf16, or quantize a model whose sizes divide by 128)"
+        )
 
 
 def add_verify_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -32,6 +32,7 @@ from vime_gemma4_bridge.io.hf import LazyTensor, NamedTensor
 
 __all__ = [
     "BLOCK",
+    "config_fields",
     "FP8_DTYPE",
     "FP8_MAX",
     "SCALE_SUFFIX",
@@ -41,6 +42,7 @@ __all__ = [
     "quantization_config",
     "quantize_block_fp8",
     "quantize_stream",
+    "vllm_block_misfits",
     "quantized_checkpoint",
 ]
 
@@ -104,6 +106,37 @@ def quantize_stream(weights: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, .
         q, scale_inv = quantize_block_fp8(tensor)
         yield (name, q, *rest)
         yield (name + SCALE_SUFFIX, scale_inv, *rest)
+
+
+def config_fields(source: Any) -> dict[str, Any]:
+    """The ``config.json`` fields of an FP8 export of ``source`` (an ``HFCheckpoint``): its ``quantization_config``."""
+    return {"quantization_config": quantization_config(ignored_layers(source.shapes()))}
+
+
+#: Output rows vLLM's block-FP8 loader splits a fused layer at, by HF weight (the last shard, ``v_proj`` /
+#: ``up_proj``, is exempt; k_eq_v layers repeat ``k_proj`` as ``v_proj``, so ``k_proj`` is never last).
+_SHARD_ROWS = re.compile(r"\.(self_attn\.[qk]_proj|mlp\.gate_proj|experts\.\d+\.gate_proj)\.weight$")
+
+
+def vllm_block_misfits(shapes: Mapping[str, Sequence[int]]) -> list[str]:
+    """The quantized weights whose sizes vLLM's block-FP8 loader refuses at any TP: ``[]`` if it takes them all.
+
+    vLLM (``fp8.py`` / ``fp8_utils.validate_fp8_block_shape`` at 45232a454, the base of the Gemma 4
+    loader read at 001cabc1) needs every shard of a fused linear layer but the last, and a routed
+    expert's intermediate size (``Fp8MoEMethod.create_weights``), to be a multiple of the 128-row block.
+    Gemma 4 26B-A4B's experts (704) and dense MLP (2112) are not: its FP8 checkpoint is written all
+    the same (the format is well defined), and the command says what vLLM will refuse.
+    """
+    misfits: dict[str, int] = {}
+    for name, shape in shapes.items():
+        stack = STACK_NAME.match(name)
+        if stack and stack["stack"] == "gate_up_proj":  # the stacked layout: [E, 2I, H]
+            name, shape = per_expert_name(name, 0, "gate_proj"), (shape[1] // 2, shape[2])
+        match = _SHARD_ROWS.search(name)
+        if match and len(shape) == 2 and shape[0] % BLOCK:
+            kind = re.sub(r"experts\.\d+\.", "experts.<e>.", match[1])
+            misfits.setdefault(kind, shape[0])
+    return [f"{kind} ({rows} rows)" for kind, rows in sorted(misfits.items())]
 
 
 def quantization_config(ignored_layers: Iterable[str]) -> dict[str, Any]:

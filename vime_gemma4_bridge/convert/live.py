@@ -9,9 +9,11 @@ HF-named tensors out of Megatron-Bridge's export. This module is that stream for
   name). Names, shapes and dtypes are those of the HF checkpoint: stacked experts, no ``v_proj`` on
   k_eq_v layers, no ``lm_head`` (tied), no vision/audio tensors — the layout vLLM's Gemma 4 loader
   takes.
+  ``expert_layout="per-expert"`` yields each routed expert on its own as it is gathered (vLLM's
+  per-expert names), ``quantize="fp8"`` the block-FP8 layout (:mod:`vime_gemma4_bridge.convert.fp8`).
 * :func:`chunk_by_bytes` groups the stream into chunks below N bytes (a tensor of N or more stands
   alone), like vime's ``chunk_named_params_by_size``. Peak extra memory is one chunk plus what
-  Megatron-Bridge holds to stack one layer's experts.
+  Megatron-Bridge holds to stack one layer's experts (per expert: one expert).
 * :func:`export_live_job` (``vime-gemma4 export-live``, :mod:`vime_gemma4_bridge.cli.live`) drives it
   at a topology and writes each chunk as one safetensors file, the way vime's disk transport does;
   :func:`vime_gemma4_bridge.verify.update.verify_update` checks such a directory against the HF
@@ -31,7 +33,7 @@ from typing import Any
 
 import torch
 
-from vime_gemma4_bridge.convert.fp8 import quantize_stream
+from vime_gemma4_bridge.convert.fp8 import config_fields, quantize_stream, vllm_block_misfits
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.core.hf_layout import PER_EXPERT, STACKED, check_expert_layout, stack_of
 from vime_gemma4_bridge.io import hf as hf_io
@@ -191,6 +193,8 @@ def export_live_job(
             for item in source.path.iterdir():  # side files, as vime's disk transport copies them
                 if item.is_file() and not item.name.endswith(".safetensors") and item.name != hf_io.INDEX_NAME:
                     shutil.copy2(item, tmp / item.name)
+            if quantize == "fp8":  # the dump is a checkpoint vLLM's FP8 method reads
+                hf_io.update_config(tmp, config_fields(source))
             total_bytes = sum(size for *_, size in files)
             index_data = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
             (tmp / hf_io.INDEX_NAME).write_text(json.dumps(index_data, indent=2) + "\n")
@@ -202,5 +206,6 @@ def export_live_job(
                 "largest_chunk_bytes": max(size for *_, size in files),
                 "chunk_tensor_counts": [len(names) for _, names, _ in files],
                 "seconds": seconds,
+                "vllm_block_misfits": vllm_block_misfits(source.shapes()) if quantize == "fp8" else [],
             }
     return convert.broadcast_from_rank0(result)

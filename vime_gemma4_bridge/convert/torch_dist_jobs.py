@@ -169,9 +169,7 @@ def _quantized_layout(source: Any, quantize: str | None) -> dict[str, Any]:
         raise ValueError(f"--quantize {quantize!r}: only fp8 is supported")
     from vime_gemma4_bridge.convert import fp8
 
-    shapes = {name: shape for name, (shape, _) in source.signatures(source.names()).items()}
-    config = fp8.quantization_config(fp8.ignored_layers(shapes))
-    return {"rewrite": fp8.quantized_checkpoint, "config_fields": {"quantization_config": config}}
+    return {"rewrite": fp8.quantized_checkpoint, "config_fields": fp8.config_fields(source)}
 
 
 def export_job(
@@ -193,8 +191,8 @@ def export_job(
     """
     import torch.distributed as dist
 
+    from vime_gemma4_bridge.convert import fp8, paths
     from vime_gemma4_bridge.convert import model as convert
-    from vime_gemma4_bridge.convert import paths
     from vime_gemma4_bridge.convert.topology import init_model_parallel
     from vime_gemma4_bridge.io import hf as hf_io
 
@@ -249,6 +247,7 @@ def export_job(
                 "gb_per_s": _rate(tensor_bytes, moved),
                 "phases": phases.seconds,
                 "quantize": quantize,
+                "vllm_block_misfits": fp8.vllm_block_misfits(source.shapes()) if quantize else [],
                 "hf_output": {
                     "files": files,
                     "bytes": nbytes,

@@ -145,6 +145,10 @@ class HFCheckpoint:
             grouped.setdefault(self.weight_map[name], []).append(name)
         return grouped
 
+    def shapes(self) -> dict[str, list[int]]:
+        """Every tensor's shape, from the headers."""
+        return {name: shape for name, (shape, _) in self.signatures(self.names()).items()}
+
     def signatures(self, names: Iterable[str]) -> dict[str, tuple[list[int], str]]:
         """``{name: (shape, safetensors dtype)}`` from the safetensors headers (no tensor data is read)."""
         wanted = list(names)
@@ -299,8 +303,7 @@ def write_hf_checkpoint(
         with atomic_directory(out, replace=force) as tmp:
             copy_side_files(source, tmp)
             if config_fields:
-                config = json.loads((tmp / "config.json").read_text())
-                (tmp / "config.json").write_text(json.dumps({**config, **config_fields}, indent=2) + "\n")
+                update_config(tmp, config_fields)
             # Copied from the source shard as they are written, not loaded beforehand: the vision
             # tower costs no memory, whatever its size.
             other_tensors = {name: source.lazy(name) for name in source.names() if name not in expected}
@@ -316,6 +319,12 @@ def write_hf_checkpoint(
             f"writing {out} failed: {error.strerror or error} ({error.filename or out.parent}); nothing was written"
         ) from None
     return out
+
+
+def update_config(directory: Path, fields: Mapping[str, Any]) -> None:
+    """Set ``fields`` at the top level of ``directory/config.json`` (an FP8 export's ``quantization_config``)."""
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **fields}, indent=2) + "\n")
 
 
 def copy_side_files(source: HFCheckpoint, directory: Path) -> None:
