@@ -297,11 +297,12 @@ local ranks runs: (a) the reference, a plain safetensors read of every tensor an
 new files, in one process; (b) import HF -> torch_dist at EP = nproc (at one rank, the default
 topology: routed experts streamed from the HF shards to torch_dist); (c) export torch_dist -> HF at
 the default topology (routed experts streamed from torch_dist to the HF shards); (d) the live export
-(iter_hf_weights + chunk_by_bytes, chunks not written) on the loaded model; (e) its yardstick, a
-plain torch.clone of the same weights. Each is timed inside the ranks (start-up and imports
-excluded) with its peak RSS. Prints a table, the targets and, last (nproc 1, the first size):
-export_vs_reference=.. import_vs_reference=.. live_vs_copy=.. live_peak_extra_mb=..
-layer_experts_mb=.. import_peak_extra_mb=.. export_peak_extra_mb=..
+(iter_hf_weights + chunk_by_bytes, chunks not written) on the loaded model, stacked, then per expert,
+then in block FP8; (e) its yardstick, a plain torch.clone of the same weights. Each is timed inside
+the ranks (start-up and imports excluded) with its peak RSS. Prints a table, the targets and, last
+(nproc 1, the first size): export_vs_reference=.. import_vs_reference=.. live_vs_copy=..
+live_peak_extra_mb=.. layer_experts_mb=.. import_peak_extra_mb=.. export_peak_extra_mb=..
+live_per_expert_peak_extra_mb=.. live_fp8_gb_per_s=..
 With --scaling, also twice the first size: time and peak-memory doubling ratios. With --dense e4b,
 an E4B-shaped dense checkpoint instead (PLE table the largest tensor; TP = min(nproc, 2)): the
 memory yardstick is that tensor (largest_tensor_mb= in place of layer_experts_mb=). Targets are
