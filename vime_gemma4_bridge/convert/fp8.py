@@ -35,7 +35,9 @@ __all__ = [
     "config_fields",
     "FP8_DTYPE",
     "FP8_MAX",
+    "QUANTIZATIONS",
     "SCALE_SUFFIX",
+    "check_quantize",
     "dequantize_block_fp8",
     "ignored_layers",
     "is_quantized",
@@ -56,6 +58,17 @@ QUANTIZED = re.compile(
     rf"^({'|'.join(re.escape(prefix) for prefix in LANGUAGE_MODEL_PREFIX.values())})layers\.\d+\."
     r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|experts\.\d+\.(gate|up|down)_proj)\.weight$"
 )
+
+
+#: The ``quantize`` values the streams and the export take (``None``: bf16 as trained).
+QUANTIZATIONS = ("fp8",)
+
+
+def check_quantize(quantize: str | None) -> str | None:
+    """``quantize`` if it is ``None`` or one of :data:`QUANTIZATIONS`; a one-line refusal otherwise."""
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise ValueError(f"quantize {quantize!r}: expected one of {', '.join(QUANTIZATIONS)}")
+    return quantize
 
 
 def is_quantized(hf_name: str) -> bool:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from vime_gemma4_bridge.convert.fp8 import config_fields, quantize_stream, vllm_block_misfits
+from vime_gemma4_bridge.convert.fp8 import check_quantize, config_fields, quantize_stream, vllm_block_misfits
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.core.hf_layout import PER_EXPERT, STACKED, check_expert_layout, stack_of
 from vime_gemma4_bridge.io import hf as hf_io
@@ -87,9 +87,7 @@ def iter_hf_weights(
     set around each step of the bridge's export and nowhere else). ``quantize="fp8"`` yields the
     block-FP8 layout (:mod:`vime_gemma4_bridge.convert.fp8`) and implies the per-expert layout.
     """
-    if quantize not in (None, "fp8"):
-        raise ValueError(f"quantize={quantize!r}: only 'fp8' is supported")
-    if quantize == "fp8":
+    if check_quantize(quantize) == "fp8":
         expert_layout = PER_EXPERT
     check_expert_layout(expert_layout)  # before any collective
     if conversion_tasks is None:

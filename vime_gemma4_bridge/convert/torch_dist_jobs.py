@@ -163,12 +163,10 @@ def import_job(
 
 def _quantized_layout(source: Any, quantize: str | None) -> dict[str, Any]:
     """``write_hf_checkpoint``'s arguments for ``quantize`` (none for a plain export)."""
-    if quantize is None:
-        return {}
-    if quantize != "fp8":
-        raise ValueError(f"--quantize {quantize!r}: only fp8 is supported")
     from vime_gemma4_bridge.convert import fp8
 
+    if fp8.check_quantize(quantize) is None:
+        return {}
     return {"rewrite": fp8.quantized_checkpoint, "config_fields": fp8.config_fields(source)}
 
 
