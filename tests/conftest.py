@@ -1,8 +1,9 @@
 """Shared fixtures.
 
-Rank processes are expensive (each imports megatron.bridge: ~1 GB RSS, ~10 s), so tests share
-one :class:`~vime_gemma4_bridge.runtime.world.LocalWorld` per session and re-initialise
-megatron-core's parallel state per topology inside it.
+Tests share one :class:`~vime_gemma4_bridge.runtime.world.LocalWorld` per size and re-initialise
+megatron-core's parallel state per topology inside it. Starting a world is cheap on CPU (ranks fork
+from a server that imported megatron.bridge once); a world that is up still serves the next test of
+its size, and one world at a time caps the memory.
 """
 
 from __future__ import annotations
@@ -51,17 +52,8 @@ def local_world() -> Iterator[Callable[[int], LocalWorld]]:
 FAST_MODULES = {"test_units", "test_doctor", "test_seams", "test_tiny", "test_stream_export", "test_rollout"}
 
 
-#: Tests whose world has no neighbour of its size (16 ranks): run last, so that the 8-rank world the
-#: tests before them leave up is still there for the next module's 8-rank tests (~70 s a restart).
-RUN_LAST = ("test_reported_topology_on_16_ranks",)
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """``make test-fast`` (``-m fast``): the doctor's diagnosis rules, the seams, the tiny factory, the units.
-
-    And the 16-rank tests last (:data:`RUN_LAST`; a stable reorder, every other test keeps its place).
-    """
-    items.sort(key=lambda item: getattr(item, "originalname", item.name) in RUN_LAST)
+    """``make test-fast`` (``-m fast``): the doctor's diagnosis rules, the seams, the tiny factory, the units."""
     for item in items:
         ranks = "local_world" in getattr(item, "fixturenames", ())
         if item.module.__name__ in FAST_MODULES and not ranks and not item.get_closest_marker("slow"):

@@ -1,8 +1,9 @@
 """Tests of runtime/ and convert/topology.py: topologies, megatron-core re-initialisation, LocalWorld failures.
 
-Rank start-up dominates the time (each rank imports megatron.bridge), so the topology test
-re-initialises many topologies in one 4-rank world, and the failure tests share a 2-rank
-world that each failure kills and the next ``run`` respawns.
+The topology test re-initialises many topologies in one 4-rank world (what the commands and the
+suite rely on), and the failure tests share a 2-rank world that each failure kills and the next
+``run`` restarts. CPU ranks fork from a warm server: its tests check that they still read the
+owner's environment and die with it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -83,6 +85,10 @@ def _hang_on(bad_rank: int, seconds: float) -> int:
         subprocess.Popen(["sleep", str(int(seconds) + 60)])
         time.sleep(seconds)
     return dist.get_rank()
+
+
+def _getenv(name: str) -> str | None:
+    return os.environ.get(name)
 
 
 def _single_rank_job(topology: Topology) -> dict:
@@ -267,6 +273,49 @@ def test_hung_rank_times_out_and_nothing_is_left_behind(local_world) -> None:
     assert elapsed < 15, f"the timeout took {elapsed:.1f} s"
     assert not world.alive
     _assert_gone(pids)  # the hung rank's `sleep` child included
+
+
+def test_ranks_fork_warm_and_see_the_owners_environment_now(local_world, monkeypatch) -> None:
+    """CPU ranks fork from the fork server (imports done once), yet read this process's environment at their start."""
+    world = local_world(2)
+    world.run(_whoami)  # the fork server runs from here on
+    world.close()
+    monkeypatch.setenv("VIME_GEMMA4_TEST_MARK", "set after the fork server started")
+    started = time.monotonic()
+    assert world.run(_getenv, "VIME_GEMMA4_TEST_MARK") == ["set after the fork server started"] * 2
+    startup = time.monotonic() - started
+    print(f"warm 2-rank world start-up {startup:.1f} s")
+    assert startup < 10, "a warm 2-rank world must start in seconds"
+    assert world.run(_getenv, "OMP_NUM_THREADS") == [str(max(1, len(os.sched_getaffinity(0)) // 2))] * 2
+    parents = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in world.pids}
+    assert parents != {os.getpid()} and len(parents) == 1, "ranks must be forks of one server"
+
+
+_OWNER = """
+import time
+from vime_gemma4_bridge.runtime.world import LocalWorld
+world = LocalWorld(2)
+world.start()
+print(*world.pids, flush=True)
+world.run(time.sleep, 600)  # busy ranks: they do not read their pipes, only the watch can end them
+"""
+
+
+def test_ranks_die_with_a_killed_owner() -> None:
+    """SIGKILL of the process that owns a world (no close, no atexit) takes its busy ranks down within seconds."""
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pids = [int(pid) for pid in owner.stdout.readline().split()]
+        assert len(pids) == 2, "the owner did not start its world"
+        time.sleep(2)  # the ranks are in the job by now
+    finally:
+        owner.kill()
+        owner.wait(30)
+    # Orphans are re-parented to init, which may leave zombies unreaped here: only live ones count.
+    deadline = time.monotonic() + 10
+    while _processes_in_groups(set(pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_in_groups(set(pids)) == [], "ranks outlived the owner they serve"
 
 
 # --------------------------------------------------------------------------------------------

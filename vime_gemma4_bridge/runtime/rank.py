@@ -31,17 +31,20 @@ def bootstrap(rank_kwargs: dict[str, Any]) -> None:
     """First code of a rank process: own process group, parent watch, environment, logging; then :func:`serve`.
 
     ``rank_kwargs`` is what :meth:`LocalWorld.start` passes: ``rank``, ``world_size``, ``host``,
-    ``port``, ``backend``, ``conn``, ``parent_pid``, ``preload``, ``verbose``, ``start_timeout``.
+    ``port``, ``backend``, ``conn``, ``parent_pid``, ``environ``, ``preload``, ``verbose``, ``start_timeout``.
     """
     kw = rank_kwargs
     # Own process group: the parent kills the rank together with anything it spawned.
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
-    threading.Thread(target=_watch_parent, args=(kw["parent_pid"],), name="parent-watch", daemon=True).start()
+    threading.Thread(target=_watch_owner, args=(kw["parent_pid"],), name="owner-watch", daemon=True).start()
 
+    # The owner's environment as it was at start-up: a forked rank would otherwise keep its fork
+    # server's, which dates from the first world.
+    os.environ.clear()
+    os.environ.update(kw["environ"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // kw["world_size"])
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("MKL_NUM_THREADS", str(threads))
     os.environ.update(
         RANK=str(kw["rank"]),
@@ -66,16 +69,49 @@ def bootstrap(rank_kwargs: dict[str, Any]) -> None:
     serve(threads=threads, **kw)
 
 
-def _watch_parent(parent_pid: int) -> None:
-    # A rank blocked in a collective never reads its pipe again; if the parent dies without
-    # closing the world (SIGKILL, crash), take the rank and its own children down with it.
+def _watch_owner(owner_pid: int) -> None:
+    # A rank blocked in a collective never reads its pipe again; if the world's owner dies without
+    # closing it (SIGKILL, crash), take the rank and its own children down with it. A spawned rank's
+    # parent is the owner; a forked one's is the fork server, which exits with the owner. Either way
+    # the rank is re-parented, and the owner's pid is checked too in case it died before this started.
+    parent = os.getppid()
     while True:
         time.sleep(0.5)
-        if os.getppid() != parent_pid:
+        if os.getppid() != parent or not _exists(owner_pid):
             try:
                 os.killpg(0, signal.SIGKILL)
             finally:
                 os._exit(1)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def prepare_imports(preload: Sequence[str]) -> None:
+    """Import torch and ``preload`` behind the TE guard (what every rank needs before it joins).
+
+    Run by each rank, and ahead of time by the fork server that CPU ranks fork from
+    (:mod:`vime_gemma4_bridge.runtime.warm`), where it makes the ranks' own call a no-op.
+    """
+    from vime_gemma4_bridge.compat import te_guard
+
+    te_guard.install()
+    import torch  # noqa: F401
+
+    # tqdm (progress bars of transformers / Megatron-Bridge) would create a multiprocessing lock,
+    # a named semaphore; ranks end with os._exit, so the resource tracker would report it leaked.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+    for module in preload:
+        importlib.import_module(module)
 
 
 def serve(
@@ -97,22 +133,13 @@ def serve(
     or ``("error", task_id, traceback)``; start-up answers ``("ready", pid)`` or ``("start_error", traceback)``.
     """
     try:
-        from vime_gemma4_bridge.compat import te_guard
-
-        te_guard.install()
+        prepare_imports(preload)
         import torch
         import torch.distributed as dist
 
         from vime_gemma4_bridge.runtime.group import join_process_group
 
         torch.set_num_threads(threads)
-        # tqdm (progress bars of transformers / Megatron-Bridge) would create a multiprocessing lock,
-        # a named semaphore; ranks end with os._exit, so the resource tracker would report it leaked.
-        from tqdm import tqdm
-
-        tqdm.set_lock(threading.RLock())
-        for module in preload:
-            importlib.import_module(module)
         store = dist.TCPStore(
             host,
             port,
