@@ -1,7 +1,8 @@
 """A persistent world of local rank processes that runs job functions on demand.
 
-Importing ``megatron.bridge`` costs ~1 GB RSS and ~10 s per rank, so a test suite or a sweep over
-topologies must reuse the processes: :class:`LocalWorld` spawns N ranks **once**, each joins
+Importing ``megatron.bridge`` costs ~1 GB RSS and ~10 s of CPU per process, so a test suite or a
+sweep over topologies reuses the processes: :class:`LocalWorld` starts N ranks **once** (on a CPU
+host as forks of a fork server that did the imports, see :func:`_rank_context`), each joins
 ``torch.distributed`` (gloo on CPU, nccl with a GPU per rank), and every :meth:`LocalWorld.run`
 calls a job function on all of them. The ranks' side is :mod:`vime_gemma4_bridge.runtime.rank`.
 
