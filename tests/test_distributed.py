@@ -287,8 +287,20 @@ def test_ranks_fork_warm_and_see_the_owners_environment_now(local_world, monkeyp
     print(f"warm 2-rank world start-up {startup:.1f} s")
     assert startup < 10, "a warm 2-rank world must start in seconds"
     assert world.run(_getenv, "OMP_NUM_THREADS") == [str(max(1, len(os.sched_getaffinity(0)) // 2))] * 2
-    parents = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in world.pids}
+    parents = {_parent(pid) for pid in world.pids}
     assert parents != {os.getpid()} and len(parents) == 1, "ranks must be forks of one server"
+
+
+def test_verbose_worlds_spawn_fresh_interpreters(local_world) -> None:
+    """The spawn road (GPU hosts, ``--verbose``): each rank its own interpreter, a child of this process."""
+    local_world(2).close()  # one world at a time
+    with LocalWorld(2, verbose=True) as world:
+        assert [rank for rank, _ in world.run(_whoami)] == [0, 1]
+        assert {_parent(pid) for pid in world.pids} == {os.getpid()}
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 _OWNER = """
