@@ -20,32 +20,55 @@ if TYPE_CHECKING:
 TEST_ERROR_GRACE = 2.0
 
 
+class _Worlds:
+    """The session's one live :class:`LocalWorld` (at most one at a time, to cap memory)."""
+
+    def __init__(self) -> None:
+        self.current: LocalWorld | None = None
+
+    def get(self, nproc: int) -> LocalWorld:
+        from vime_gemma4_bridge.runtime.world import LocalWorld
+
+        if self.current is not None and self.current.nproc == nproc:
+            return self.current
+        self.close()
+        self.current = LocalWorld(nproc, error_grace=TEST_ERROR_GRACE)
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+
+
 @pytest.fixture(scope="session")
-def local_world() -> Iterator[Callable[[int], LocalWorld]]:
+def _worlds() -> Iterator[_Worlds]:
+    worlds = _Worlds()
+    try:
+        yield worlds
+    finally:
+        worlds.close()
+
+
+@pytest.fixture(scope="session")
+def local_world(_worlds: _Worlds) -> Callable[[int], LocalWorld]:
     """``local_world(n)`` → a shared LocalWorld of ``n`` ranks (started on its first ``run``).
 
     At most one world is alive at a time, to cap memory: asking for another size closes the
-    current world first. A world killed by a failing test respawns on its next ``run``. All are
-    closed at the end of the session.
+    current world first. A world killed by a failing test restarts on its next ``run``.
     """
-    from vime_gemma4_bridge.runtime.world import LocalWorld
+    return _worlds.get
 
-    current: list[LocalWorld] = []
 
-    def get(nproc: int) -> LocalWorld:
-        if current and current[0].nproc == nproc:
-            return current[0]
-        while current:
-            current.pop().close()
-        world = LocalWorld(nproc, error_grace=TEST_ERROR_GRACE)
-        current.append(world)
-        return world
-
-    try:
-        yield get
-    finally:
-        while current:
-            current.pop().close()
+@pytest.fixture(scope="module", autouse=True)
+def _no_idle_world_after_the_module(_worlds: _Worlds) -> Iterator[None]:
+    """Close the world when a module ends: restarting one costs under a second (warm ranks), while an
+    idle one is not free. Each gloo communicator its ranks hold has an event loop that wakes every
+    10 ms (gloo ``transport/tcp/loop.cc``, ``Loop::run``: ``epoll_wait(..., 10)``); a 4-rank world
+    left up after many topologies had 236 such loops on rank 0 and slowed the next module's
+    subprocess tests."""
+    yield
+    _worlds.close()
 
 
 #: Modules whose tests without rank processes (no ``local_world``) make up the fast unit layer.
