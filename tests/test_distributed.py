@@ -122,46 +122,54 @@ def _expected(topology: Topology, world: int, rank: int) -> dict:
     }
 
 
+def _processes() -> dict[int, list[str]]:
+    """Every process → the fields of its ``/proc/PID/stat`` after the command name (state, ppid, pgrp, …)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            found[int(entry.name)] = stat[stat.rindex(")") + 2 :].split()
+    return found
+
+
 def _processes_in_groups(pgids: set[int]) -> list[int]:
     """Live (non-zombie) processes whose process group is one of ``pgids`` (ranks lead their own group)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        state, pgrp = fields[0], int(fields[2])
-        if pgrp in pgids and state != "Z":
-            found.append(int(entry.name))
-    return found
+    return [pid for pid, fields in _processes().items() if int(fields[2]) in pgids and fields[0] != "Z"]
+
+
+def _parent(pid: int) -> int:
+    return int(_processes()[pid][1])
 
 
 def _spawned_children() -> list[int]:
     """Multiprocessing children of this process (multiprocessing's resource tracker excepted)."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for pid, fields in _processes().items():
+        if int(fields[1]) != os.getpid() or fields[0] == "Z":
             continue
         try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"spawn_main" in cmdline:
-            found.append(int(entry.name))
+        if b"spawn_main" in cmdline:
+            found.append(pid)
     return found
+
+
+def _wait_until_gone(pids: list[int], seconds: float) -> list[int]:
+    """Wait up to ``seconds`` for the live processes in the groups of ``pids`` to end; return those left."""
+    deadline = time.monotonic() + seconds
+    while (left := _processes_in_groups(set(pids))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def _assert_gone(pids: list[int]) -> None:
     assert pids, "the world had no processes to check"
-    deadline = time.monotonic() + 5
-    while _processes_in_groups(set(pids)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _processes_in_groups(set(pids)) == [], "rank processes (or their children) were left behind"
+    assert _wait_until_gone(pids, 5) == [], "rank processes (or their children) were left behind"
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -299,10 +307,6 @@ def test_verbose_worlds_spawn_fresh_interpreters(local_world) -> None:
         assert {_parent(pid) for pid in world.pids} == {os.getpid()}
 
 
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 _OWNER = """
 import time
 from vime_gemma4_bridge.runtime.world import LocalWorld
@@ -324,10 +328,7 @@ def test_ranks_die_with_a_killed_owner() -> None:
         owner.kill()
         owner.wait(30)
     # Orphans are re-parented to init, which may leave zombies unreaped here: only live ones count.
-    deadline = time.monotonic() + 10
-    while _processes_in_groups(set(pids)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _processes_in_groups(set(pids)) == [], "ranks outlived the owner they serve"
+    assert _wait_until_gone(pids, 10) == [], "ranks outlived the owner they serve"
 
 
 # --------------------------------------------------------------------------------------------

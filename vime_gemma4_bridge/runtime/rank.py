@@ -86,11 +86,11 @@ def _watch_owner(owner_pid: int) -> None:
 
 def _exists(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError: it exists, under another user
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
