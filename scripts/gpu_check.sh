@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The TE/CUDA path, on a machine with one GPU and Transformer Engine (vime's image): the TE build of the
 # model, bitwise round trips and fp32 parity at TP1 and at EP/TP splits that fit one GPU (ranks share it),
-# vime's weight sync and HF save. Prints one line per check and a summary; well under 8 minutes.
+# vime's weight sync and HF save, and vLLM generating after every weight road (tests/test_vllm.py). Prints one
+# line per check and a summary; about 12 minutes at most.
 # Run from the repository root:  bash scripts/gpu_check.sh   (record what it prints in docs/GPU.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,10 +12,10 @@ OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 failures=0
 
-check() {  # check NAME COMMAND...: run it under a 150 s cap, print PASS/FAIL with its last line
+check() {  # check NAME COMMAND...: run it under a cap (CAP seconds, default 150), print PASS/FAIL with its last line
   local name=$1; shift
   local start=$SECONDS log="$OUT/$name.log"
-  if timeout 150 "$@" >"$log" 2>&1; then
+  if timeout "${CAP:-150}" "$@" >"$log" 2>&1; then
     echo "PASS  $name ($((SECONDS - start)) s): $(tail -n 1 "$log")"
   else
     failures=$((failures + 1))
@@ -47,5 +48,7 @@ check parity-ep2 $CLI parity --hf-checkpoint "$OUT/vl" --dtype float32 --ep 2 --
 check export-live-pp2 $CLI export-live --hf-checkpoint "$OUT/vl" --pp 2 --ep 2 --nproc 4 --buffer-size 60000 \
   --dump "$OUT/dump"
 check verify-update $CLI verify-update --hf-checkpoint "$OUT/vl" --dump "$OUT/dump"
+# vLLM itself on the GPU (tests/test_vllm.py with the image's vLLM): every weight road, and the FP8 dump served.
+VIME_VLLM_PYTHON=${VLLM_PYTHON:-$(command -v python)} CAP=420 check vllm-roads $PY -m pytest -q -x tests/test_vllm.py
 echo "== gpu_check: $failures failed"
 exit $((failures > 0))

@@ -81,3 +81,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         ranks = "local_world" in getattr(item, "fixturenames", ())
         if item.module.__name__ in FAST_MODULES and not ranks and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.fast)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """A line counting the tests with vLLM in the loop (tests/test_vllm.py), so a run shows they ran."""
+    counts = {}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        reports = terminalreporter.stats.get(outcome, [])
+        counts[outcome] = sum(1 for r in reports if "vllm" in getattr(r, "keywords", {}) and r.when != "teardown")
+    if any(counts.values()):
+        terminalreporter.write_line("vLLM engine tests: " + ", ".join(f"{n} {k}" for k, n in counts.items() if n))

@@ -328,3 +328,25 @@ def test_core_is_liftable() -> None:
     allowed = {"vime_gemma4_bridge.compat.seams", "vime_gemma4_bridge.compat.mappings"}
     assert {edge for edge in imported if edge.rpartition(" -> ")[2] not in allowed} == set()
     assert imported, "the import graph no longer sees core's imports"
+
+
+def test_rollout_check_refuses_bad_input_in_one_line(tmp_path: Path, capsys) -> None:
+    """``rollout-check``: counts below 1, an unreadable HF directory and a server that is down: exit 2, one line."""
+    import socket
+
+    from vime_gemma4_bridge.cli.main import main
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    hf = write_tiny_checkpoint(tmp_path / "hf", TinySpec())
+    capsys.readouterr()
+    cases = [
+        (["--hf-checkpoint", str(hf), "--server", down, "--prompts", "0"], "--prompts must be >= 1"),
+        (["--hf-checkpoint", str(tmp_path / "missing"), "--server", down], "config.json"),
+        (["--hf-checkpoint", str(hf), "--server", down], "cannot reach a vLLM server"),
+    ]
+    for argv, message in cases:
+        assert main(["rollout-check", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.strip().count("\n") == 0, err

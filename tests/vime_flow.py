@@ -12,8 +12,10 @@ What vime does at every weight sync with ``--megatron-to-hf-mode bridge`` (vllm-
    a wrapper that has ``__len__`` and ``__iter__`` but is not a list;
 4. ``for hf_name, weight, megatron_name in bridge.export_hf_weights(model, cpu=False, conversion_tasks=...)``;
 5. chunks: a bucket is closed when its size plus the next tensor's would reach the buffer size (``>=``);
-6. disk transport on rank 0: each chunk one ``model-XXXXX.safetensors`` (a name seen twice is an
-   error), renamed to the ``-of-`` form, an index written atomically, the non-weight files copied.
+6. disk transport on rank 0 (``update_weight_from_disk.py`` @03a8e1bf): the non-weight files copied
+   into the version directory, each chunk one ``model-XXXXX.safetensors`` (a name seen twice is an
+   error), renamed to the ``-of-`` form, an index written through tmp + fsync + replace; then the
+   engines reload from that directory (tests/test_vllm.py drives vLLM's ``reload_weights`` with it).
 """
 
 from __future__ import annotations
@@ -95,34 +97,64 @@ def sync_weights(bridge: Any, model: list[torch.nn.Module], buffer_size: int) ->
     yield from chunks(named(), buffer_size)
 
 
+#: What vime's disk sync does not copy from ``--hf-checkpoint`` (update_weight_from_disk.py @03a8e1bf L23-29, L175-176).
+HF_WEIGHT_FILE_NAMES = {
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "tf_model.h5",
+    "flax_model.msgpack",
+}
+HF_WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack")
+
+
 def write_disk_update(chunk_stream: Iterable[list[tuple[str, torch.Tensor]]], hf_checkpoint: str, out: Path) -> int:
-    """Step 6 on rank 0: the disk transport's directory; returns the number of tensors written."""
+    """Step 6 on rank 0, as ``update_weight_from_disk.py`` @03a8e1bf does it; returns the tensors written.
+
+    ``_prepare_version_dir`` (L107-115): the version directory anew, every top-level regular file of
+    ``--hf-checkpoint`` that is not a weight file copied (``shutil.copy2``). ``_write_full_checkpoint``
+    (L117-172): a name seen twice raises ``ValueError``; each non-empty chunk is saved as
+    ``model-{chunk:05d}.safetensors`` with ``{"format": "pt"}`` (the chunk counter also counts empty
+    chunks), then renamed in write order to ``model-{i:05d}-of-{n:05d}.safetensors``; the index
+    ``{"metadata": {"total_size": ...}, "weight_map": ...}`` goes through a ``.tmp`` file, flush, fsync
+    and ``os.replace``.
+    """
     from safetensors.torch import save_file
 
+    shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    for source in Path(hf_checkpoint).iterdir():
+        weights = source.name in HF_WEIGHT_FILE_NAMES or source.name.endswith(HF_WEIGHT_FILE_SUFFIXES)
+        if source.is_file() and not weights:
+            shutil.copy2(source, out / source.name)
     seen: set[str] = set()
     files: list[tuple[str, list[str]]] = []
+    total_size = 0
     for index, chunk in enumerate(chunk_stream, start=1):
-        names = [name for name, _ in chunk]
-        duplicated = seen.intersection(names)
-        if duplicated or len(set(names)) != len(names):
-            raise ValueError(f"duplicate tensor in the weight update: {sorted(duplicated) or names}")
-        seen.update(names)
+        state = {}
+        for name, tensor in chunk:
+            if name in seen:
+                raise ValueError(f"Duplicate HF tensor while saving full disk checkpoint: {name}")
+            seen.add(name)
+            state[name] = tensor.detach().contiguous().cpu()
+            total_size += state[name].numel() * state[name].element_size()
+        if not state:
+            continue
         name = f"model-{index:05d}.safetensors"
-        save_file({n: t.detach().cpu().contiguous() for n, t in chunk}, out / name, metadata={"format": "pt"})
-        files.append((name, names))
+        save_file(state, out / name, metadata={"format": "pt"})
+        files.append((name, list(state)))
+    if not files:
+        raise ValueError("No HF tensors were produced for full disk checkpoint")
     weight_map = {}
     for index, (name, names) in enumerate(files, start=1):
         final = f"model-{index:05d}-of-{len(files):05d}.safetensors"
-        (out / name).rename(out / final)
+        os.replace(out / name, out / final)
         weight_map.update(dict.fromkeys(names, final))
     tmp = out / "model.safetensors.index.json.tmp"
-    tmp.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with tmp.open("w") as handle:
+        json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(tmp, out / "model.safetensors.index.json")
-    for source in Path(hf_checkpoint).iterdir():
-        weights = source.name.endswith(".safetensors") or source.name == "model.safetensors.index.json"
-        if source.is_file() and not weights:
-            shutil.copy2(source, out / source.name)
     return len(seen)
 
 

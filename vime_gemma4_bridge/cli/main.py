@@ -12,7 +12,19 @@ from vime_gemma4_bridge.cli import errors
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``vime-gemma4`` parser: the sub-commands in ``--help`` order, each with ``--debug`` and ``--verbose``."""
-    from vime_gemma4_bridge.cli import bench, compare, demo, env, import_export, live, parity, probe, roundtrip, tiny
+    from vime_gemma4_bridge.cli import (
+        bench,
+        compare,
+        demo,
+        env,
+        import_export,
+        live,
+        parity,
+        probe,
+        rollout_check,
+        roundtrip,
+        tiny,
+    )
 
     parser = argparse.ArgumentParser(
         prog="vime-gemma4",
@@ -27,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_export_live_parser(sub)
     live.add_verify_parser(sub)
     parity.add_parser(sub)
+    rollout_check.add_parser(sub)
     import_export.add_parsers(sub)
     bench.add_parser(sub)
     env.add_parser(sub)
