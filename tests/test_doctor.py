@@ -324,6 +324,21 @@ def test_probe_all_stages_ok(local_world, hf1: Path, topology: Topology) -> None
     assert text.splitlines()[-1].startswith("probe OK: ")
 
 
+def _probe_under_the_live_sync_switch(hf_checkpoint: str, topology: Topology) -> dict:
+    from vime_gemma4_bridge.core.hf_layout import EXPERT_LAYOUT_ENV, PER_EXPERT
+    from vime_gemma4_bridge.runtime.world import environment
+
+    with environment({EXPERT_LAYOUT_ENV: PER_EXPERT}):
+        return probe.probe_job(hf_checkpoint, topology, None, None)
+
+
+def test_probe_follows_stacks_under_the_live_sync_switch(local_world, hf1: Path) -> None:
+    """``VIME_GEMMA4_EXPERT_LAYOUT=per-expert`` in the environment (vime's actor) does not reach the probe,
+    whose stages are the stacked tensors'."""
+    result = local_world(4).run(_probe_under_the_live_sync_switch, str(hf1), PROBE_TOPOLOGIES[0])[0]
+    assert result["ok"], probe.format_probe(result)
+
+
 def _probe_with_the_reported_ep_bug(hf_checkpoint: str, topology: Topology, experts: list[int], layers: list[int]):
     """Runs on every rank: the original bug (every EP slot receives EP rank 0's expert) re-created
     inside Megatron-Bridge's own EP gather, then the probe; the bridge is restored afterwards."""

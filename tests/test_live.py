@@ -194,19 +194,11 @@ def _vime_sync_job(
 
     ``expert_layout``: the actor's ``VIME_GEMMA4_EXPERT_LAYOUT`` (vime's zero-edit switch), set for this job only.
     """
-    import os
-
     from vime_gemma4_bridge.core.hf_layout import EXPERT_LAYOUT_ENV
+    from vime_gemma4_bridge.runtime.world import environment
 
-    saved = os.environ.get(EXPERT_LAYOUT_ENV)
-    if expert_layout is not None:
-        os.environ[EXPERT_LAYOUT_ENV] = expert_layout
-    try:
+    with environment({EXPERT_LAYOUT_ENV: expert_layout} if expert_layout is not None else {}):
         return _vime_sync(hf_checkpoint, topology, dump, buffer_size)
-    finally:
-        os.environ.pop(EXPERT_LAYOUT_ENV, None)
-        if saved is not None:
-            os.environ[EXPERT_LAYOUT_ENV] = saved
 
 
 def _vime_sync(hf_checkpoint: str, topology: Topology, dump: str, buffer_size: int) -> dict | None:

@@ -609,6 +609,30 @@ def test_default_topology_export_streams_experts_when_stored_whole(
     assert_same_checkpoint(hf, out)
 
 
+def _export_under_the_live_sync_switch(*job_args: Any) -> dict:
+    """export_job with ``VIME_GEMMA4_EXPERT_LAYOUT=per-expert`` in this rank's environment (vime's actor)."""
+    from vime_gemma4_bridge.core.hf_layout import EXPERT_LAYOUT_ENV, PER_EXPERT
+    from vime_gemma4_bridge.runtime.world import environment
+
+    with environment({EXPERT_LAYOUT_ENV: PER_EXPERT}):
+        return export_job(*job_args)
+
+
+@pytest.mark.parametrize("topology", [Topology(), Topology(ep=2)], ids=str)
+def test_export_keeps_the_checkpoint_layout_under_the_live_sync_switch(
+    local_world, single_rank, tmp_path, topology
+) -> None:
+    """The expert-layout variable switches vime's live sync alone: an export with it set writes the
+    stacked experts, bitwise, through the model at EP2 (the bridge's grouped hook; fails without
+    ``convert/model``'s stacked layout) and streamed at the default topology (experts read from the
+    files, never through the hook: this road cannot be switched, and the test keeps it so)."""
+    hf, out = single_rank["hf"], tmp_path / "hf"
+    args = (str(single_rank["save"]), str(hf), str(out), topology, False, 10**9)
+    report = local_world(2).run(_export_under_the_live_sync_switch, *args)[0]
+    assert report["experts_streamed"] == (topology == Topology())
+    assert_same_checkpoint(hf, out)
+
+
 def _import_patched(owner: str, name: str, replacement: Any, *job_args: Any) -> dict:
     """import_job with ``owner.name`` replaced in this rank for the call (a fault planted on purpose).
 

@@ -127,6 +127,37 @@ def test_save_hf_pretrained_one_rank(local_world, checkpoints, tmp_path: Path, b
     assert_saved(results, checkpoints[checkpoint], out)
 
 
+def _per_expert_actor_job(job: str, hf_checkpoint: str, topology: Topology, build: str, out: str) -> object:
+    """``job`` (vime's save, or the round trip) with vime's live-sync switch in the actor's environment."""
+    from vime_gemma4_bridge.core.hf_layout import EXPERT_LAYOUT_ENV, PER_EXPERT
+    from vime_gemma4_bridge.runtime.world import environment
+
+    with environment({EXPERT_LAYOUT_ENV: PER_EXPERT}):
+        if job == "save":
+            return _save_hf_job(hf_checkpoint, topology, build, out)
+        with _build(build):
+            return roundtrip_job(hf_checkpoint, topology, None, False, 10**9)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_expert_layout_switch_leaves_saves_and_round_trips_stacked(local_world, checkpoints, tmp_path, build) -> None:
+    """``VIME_GEMMA4_EXPERT_LAYOUT=per-expert`` is the live sync's switch alone: with it set, vime's
+    ``save_hf_pretrained`` writes the checkpoint's own (stacked) layout, bitwise, while the live export
+    right after it in the same job still streams per expert; the round trip is bitwise. EP2 (the
+    gathered path) on 2 ranks."""
+    from vime_gemma4_bridge.core.hf_layout import STACK_NAME, stack_of
+
+    hf, out, topology = checkpoints["vl"], tmp_path / "saved", Topology(ep=2)
+    results = local_world(2).run(_per_expert_actor_job, "save", str(hf), topology, build, str(out))
+    assert_same_checkpoint(hf, out)
+    stacks = {name for name in HFCheckpoint(hf).language_model_names() if STACK_NAME.match(name)}
+    for live in results:
+        assert stacks and not stacks & set(live), "the live sync must still follow the switch"
+        assert {stack_of(name)[0] for name in live if stack_of(name)} == stacks
+    result = local_world(2).run(_per_expert_actor_job, "roundtrip", str(hf), topology, build, "")[0]
+    assert result["identical"], result["report"]
+
+
 # ------------------------------------------------------------------------------------------------
 # The fork's conversion code at TP >= 2 and VPP (2 ranks)
 # ------------------------------------------------------------------------------------------------

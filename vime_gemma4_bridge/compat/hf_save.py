@@ -14,7 +14,9 @@ wraps ``save_generator`` on that one source object (the checkpoint the bridge wa
 global): after the export's own tensors it yields,
 bitwise from the source, the tensors the bridge declares it does not convert. Everything the
 bridge does convert must still come from the export, so upstream's strictness keeps catching a
-missing language-model tensor. The live weight stream is untouched: it never reaches
+missing language-model tensor. The export a save consumes is also put in the checkpoint's own
+layout (the bridge's ``in_checkpoint_layout``: experts stacked, whatever the live sync's
+``VIME_GEMMA4_EXPERT_LAYOUT`` says). The live weight stream is untouched: it never reaches
 ``save_generator``.
 """
 
@@ -34,7 +36,8 @@ def complete_saves_of(bridge_cls: type) -> None:
     """Make every HF save through an export of ``bridge_cls`` complete from the source. Idempotent.
 
     ``bridge_cls.converts_hf_tensor(name)`` says which source tensors its export yields (the hook
-    docs/UPSTREAM.md 30 proposes upstream). Its ``stream_weights_megatron_to_hf`` is wrapped so that
+    docs/UPSTREAM.md 30 proposes upstream), ``bridge_cls.in_checkpoint_layout(stream)`` puts an
+    export in the layout a checkpoint stores. Its ``stream_weights_megatron_to_hf`` is wrapped so that
     each stream first has :func:`complete_saves_from_source` prepare its ``hf_pretrained``'s source;
     the stream itself is unchanged. Only this class and its subclasses: other models' bridges never.
     """
@@ -46,19 +49,24 @@ def complete_saves_of(bridge_cls: type) -> None:
     @functools.wraps(stream)
     def stream_weights_megatron_to_hf(self: Any, *args: Any, **kwargs: Any) -> Any:
         hf_pretrained = signature.bind(self, *args, **kwargs).arguments["hf_pretrained"]
-        complete_saves_from_source(hf_pretrained, self.converts_hf_tensor)
+        complete_saves_from_source(hf_pretrained, self.converts_hf_tensor, self.in_checkpoint_layout)
         return stream(self, *args, **kwargs)
 
     setattr(stream_weights_megatron_to_hf, _MARK, True)
     bridge_cls.stream_weights_megatron_to_hf = stream_weights_megatron_to_hf
 
 
-def complete_saves_from_source(hf_pretrained: Any, converted: Callable[[str], bool]) -> None:
+def complete_saves_from_source(
+    hf_pretrained: Any,
+    converted: Callable[[str], bool],
+    in_checkpoint_layout: Callable[[Iterable[Any]], Iterable[Any]],
+) -> None:
     """Make every save of ``hf_pretrained``'s safetensors source complete it from the source. Idempotent.
 
     ``converted(name)`` says whether the bridge's export yields the source tensor ``name``; the
-    others are copied from the source. A source without ``save_generator`` (a model held in
-    memory, another build) is left as it is.
+    others are copied from the source. ``in_checkpoint_layout`` wraps the export on every rank (each
+    rank consumes it in ``save_generator``, writing or not). A source without ``save_generator`` (a
+    model held in memory, another build) is left as it is.
     """
     state = getattr(hf_pretrained, "state", None)
     source = getattr(state, "source", None)
@@ -68,6 +76,7 @@ def complete_saves_from_source(hf_pretrained: Any, converted: Callable[[str], bo
     passed_through = [name for name in source.get_all_keys() if not converted(name)]
 
     def save_generator(generator: Iterable[tuple[str, torch.Tensor]], *args: Any, **kwargs: Any) -> Any:
+        generator = in_checkpoint_layout(generator)
         # Only the writing ranks read the source: rank 0, or every rank of a distributed save.
         distributed = kwargs.get("distributed_save", args[2] if len(args) > 2 else False)
         if distributed or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:

@@ -83,8 +83,8 @@ def iter_hf_weights(
     With ``conversion_tasks`` the caller's weights are the only ones read (vime's sleeping actor,
     core/tied.py); without, the tasks are the bridge's and the tied copies are checked first.
     ``expert_layout="per-expert"`` yields each routed expert's gate/up/down on its own, as soon as
-    it is gathered (the bridge's hook, :func:`~vime_gemma4_bridge.core.bridge.exporting_experts`, is
-    set around each step of the bridge's export and nowhere else). ``quantize="fp8"`` yields the
+    it is gathered (the bridge's hook, :func:`~vime_gemma4_bridge.core.bridge.in_expert_layout`, set
+    around each step of the bridge's export and nowhere else). ``quantize="fp8"`` yields the
     block-FP8 layout (:mod:`vime_gemma4_bridge.convert.fp8`) and implies the per-expert layout.
     """
     if check_quantize(quantize) == "fp8":
@@ -101,16 +101,12 @@ def iter_hf_weights(
 
 def _exported(bridge: Any, model: list, cpu: bool, tasks: list, expert_layout: str) -> Iterator[NamedWeight]:
     """The bridge's export, in ``expert_layout``, each name once, with its Megatron name."""
-    from vime_gemma4_bridge.core.bridge import exporting_experts
+    from vime_gemma4_bridge.core.bridge import in_expert_layout
 
     megatron_names = megatron_names_by_hf_name(tasks)
-    exported = iter(bridge.export_hf_weights(model, cpu=cpu, conversion_tasks=tasks, show_progress=False))
+    exported = bridge.export_hf_weights(model, cpu=cpu, conversion_tasks=tasks, show_progress=False)
     seen: set[str] = set()
-    while True:
-        with exporting_experts(expert_layout):
-            item = next(exported, None)
-        if item is None:
-            return
+    for item in in_expert_layout(expert_layout, exported):
         hf_name, tensor = item[0], item[1]
         megatron_name = item[2] if len(item) > 2 else megatron_name_of(megatron_names, hf_name)
         if hf_name in seen:

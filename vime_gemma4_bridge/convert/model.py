@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from vime_gemma4_bridge.convert.cpu_host import provide_model
 from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.core.hf_layout import STACKED
 
 
 def open_bridge(hf_checkpoint: str | os.PathLike) -> Any:
@@ -67,10 +68,14 @@ def export_language_model(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Megatron-Bridge's export (all ranks take part), as ``(hf_name, tensor)`` on CPU; no name twice.
 
-    ``conversion_tasks`` restricts it to those of Megatron-Bridge's tasks (default: all of them).
+    ``conversion_tasks`` restricts it to those of Megatron-Bridge's tasks (default: all of them). The
+    experts come stacked, as the checkpoint stores them, whatever the live sync's switch says.
     """
+    from vime_gemma4_bridge.core.bridge import in_expert_layout
+
     seen: set[str] = set()
-    for item in bridge.export_hf_weights(model, cpu=True, show_progress=is_rank0(), conversion_tasks=conversion_tasks):
+    exported = bridge.export_hf_weights(model, cpu=True, show_progress=is_rank0(), conversion_tasks=conversion_tasks)
+    for item in in_expert_layout(STACKED, exported):
         name, tensor = item[0], item[1]
         if name in seen:
             raise ValueError(f"export produced {name!r} twice; a mapping is duplicated")

@@ -191,6 +191,24 @@ def exporting_experts(layout: str) -> Iterator[None]:
         _EXPERT_LAYOUT.reset(token)
 
 
+def in_expert_layout(layout: str, stream: Iterable[Any]) -> Iterator[Any]:
+    """``stream``'s items, each made inside :func:`exporting_experts` (``layout``); wrap an export with it.
+
+    The layout is set around each step of ``stream`` and reset before the item is handed on: set
+    inside a generator, a context variable would stay set in its consumer between items.
+    """
+    items = iter(stream)
+    while True:
+        with exporting_experts(layout):
+            item = next(items, _END)
+        if item is _END:
+            return
+        yield item
+
+
+_END = object()
+
+
 class UnsupportedCheckpoint(ValueError):
     """The checkpoint is Gemma 4, but not one this plugin (on this Megatron-Bridge build) can convert."""
 
@@ -381,6 +399,13 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
         if check:
             check_tied_embeddings(arguments.args[0])
         yield from super().stream_weights_megatron_to_hf(*arguments.args, **arguments.kwargs)
+
+    def in_checkpoint_layout(self, stream: Iterable[Any]) -> Iterator[Any]:
+        """``stream`` with the routed experts stacked, as an HF checkpoint stores them, whatever
+        ``VIME_GEMMA4_EXPERT_LAYOUT`` says: that variable switches vime's live weight sync alone, and a
+        save writes a checkpoint. The hook every HF save applies (``compat/hf_save.complete_saves_of``).
+        """
+        return in_expert_layout(STACKED, stream)
 
     def converts_hf_tensor(self, hf_name: str) -> bool:
         """Whether the export yields the source tensor ``hf_name``: the language model's, not a VL tower's.

@@ -114,8 +114,9 @@ def _rank_environment(nproc: int, verbose: bool) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _environment(extra: dict[str, str]) -> Iterator[None]:
-    """``extra`` in this process's environment for the block: new interpreters (spawned ranks, the fork server)."""
+def environment(extra: dict[str, str]) -> Iterator[None]:
+    """``extra`` in this process's environment for the block, restored after: for new interpreters
+    (spawned ranks, the fork server), or one job on a rank (tests: vime's actor environment)."""
     saved = {name: os.environ.get(name) for name in extra}
     os.environ.update(extra)
     try:
@@ -287,7 +288,7 @@ class LocalWorld:
                 daemon=False,  # ranks may start processes of their own; we kill them ourselves
             )
             try:
-                with _environment(extra):
+                with environment(extra):
                     proc.start()
             except BaseException:
                 self._kill()

@@ -26,6 +26,7 @@ import torch
 
 from vime_gemma4_bridge.compat import export_taps, seams
 from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.core.hf_layout import STACKED
 from vime_gemma4_bridge.verify.doctor_report import id_list
 from vime_gemma4_bridge.verify.fingerprint import SHORT_HASH, fingerprint, swap_halves, tensor_digest
 from vime_gemma4_bridge.verify.report import LAYER_RE, ep_boundary_pairs
@@ -176,9 +177,12 @@ def probe_job(
                 task, functools.partial(recorder.watch, layer=layer, fc=fc, watched=watched)
             )
     final = _DenseFinal(recorder) if dense else None
-    for name, tensor in model_bridge.stream_weights_megatron_to_hf(
+    from vime_gemma4_bridge.core.bridge import in_expert_layout
+
+    exported = model_bridge.stream_weights_megatron_to_hf(
         models, bridge.hf_pretrained, cpu=True, show_progress=False, conversion_tasks=selected
-    ):
+    )
+    for name, tensor in in_expert_layout(STACKED, exported):  # the stages are the stacked tensor's
         match = LAYER_RE.match(name)
         if match is None:
             continue
