@@ -112,6 +112,9 @@ class Engine:
     def reload(self, **source: object) -> dict:
         return self.ask({"op": "reload", **source})
 
+    def push(self, tensor_files: list[str]) -> dict:
+        return self.ask({"op": "push", "tensor_files": tensor_files})
+
     def close(self) -> None:
         if self.process.poll() is None:
             try:
@@ -203,11 +206,11 @@ def _chunk_files(directory: Path) -> list[str]:
     return [str(path) for path in sorted(directory.glob("model-*.safetensors"))]
 
 
-def _sync_and_check(engine: Served, prompts: list[list[int]], **source: object) -> None:
+def _sync_and_check(engine: Served, prompts: list[list[int]], op: str = "reload", **source: object) -> None:
     """Perturb (the twin), check that it moved the generation, sync, require the source's generation."""
     engine.vllm.reload(weights_path=str(engine.twin_path))
     assert engine.vllm.generate(prompts)["tokens"] == engine.twin["tokens"], "the perturbation must show"
-    engine.vllm.reload(**source)
+    engine.vllm.ask({"op": op, **source})
     assert_same_generation(engine.vllm.generate(prompts), engine.reference)
 
 
@@ -227,10 +230,19 @@ def test_vllm_disk_sync_vime_03a8e1bf_serves_the_source(engine, streams, prompts
     _sync_and_check(engine, prompts, weights_path=str(directory))
 
 
+@pytest.mark.parametrize("op", ["push", "reload"])
 @pytest.mark.parametrize("stream", ["release-stacked", "release-per-expert", "fork-stacked", "fork-per-expert"])
-def test_vllm_tensor_road_serves_the_source(engine, streams, prompts, stream: str) -> None:
-    """The tensor road: the pushed chunks, in push order, through ``reload_weights(weights_iterator=...)``."""
-    _sync_and_check(engine, prompts, tensor_files=_chunk_files(streams[stream]))
+def test_vllm_tensor_road_serves_the_source(engine, streams, prompts, stream: str, op: str) -> None:
+    """The tensor road, the chunks in push order: ``push`` is vime's call order (update_weight_from_tensor.py
+    @0696c9bd: one weight-update session, one load per chunk, so an expert stack or a layer split across
+    chunks arrives in pieces; tests/vllm_engine.py), ``reload`` one ``reload_weights(weights_iterator=...)``."""
+    files = _chunk_files(streams[stream])
+    layers = []  # the decoder layers each chunk holds tensors of
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            layers.append({name.split(".layers.")[1].split(".")[0] for name in handle.keys() if ".layers." in name})
+    assert any(a & b for a, b in zip(layers, layers[1:], strict=False)), "no layer spans two chunks"
+    _sync_and_check(engine, prompts, op, tensor_files=files)
 
 
 def test_vllm_generation_differs_when_expert_0_is_sent_as_the_next_ep_ranks_first(
@@ -254,7 +266,7 @@ def test_vllm_generation_differs_when_expert_0_is_sent_as_the_next_ep_ranks_firs
         tampered.append(str(tmp_path / f"chunk-{index:05d}.safetensors"))
         save_file(chunk, tampered[-1])
     assert sum(f".experts.{moved}." in name for name in everything) == 3 * SPEC.layers
-    engine.vllm.reload(tensor_files=tampered)
+    engine.vllm.push(tampered)
     assert engine.vllm.generate(prompts)["tokens"] != engine.reference["tokens"], "vLLM served the bug unseen"
     engine.vllm.reload(weights_path=str(engine.source_path))
     assert_same_generation(engine.vllm.generate(prompts), engine.reference)

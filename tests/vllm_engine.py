@@ -16,7 +16,15 @@ Requests (``op``):
   is_checkpoint_format=True)``, the call vime's disk sync makes through ``POST /collective_rpc``
   (vime ``backends/vllm_utils/vllm_engine.py`` @039ae4dd, ``update_weights_from_disk``);
 * ``reload`` ``{"tensor_files": [FILE, ...]}`` → ``reload_weights(weights_iterator=...)`` over the
-  tensors of those safetensors files in order, one pushed chunk per file (the tensor road);
+  tensors of those safetensors files in order, one pushed chunk per file (the tensor road, one call);
+* ``push`` ``{"tensor_files": [FILE, ...]}`` → the tensor road in vime's call order: one weight-update
+  session, one load per chunk (vime ``update_weight/update_weight_from_tensor.py`` @0696c9bd
+  ``update_weights``: ``start_weight_update(is_checkpoint_format=True)``, one
+  ``update_weights_from_tensor`` per chunk, ``finish_weight_update``), each step what vLLM 0.32.0's
+  checkpoint-format transfer engine does on the worker (``distributed/weight_transfer/ipc_engine.py``
+  L160-174 and L239-245: ``initialize_layerwise_reload(model)``, ``model.load_weights(chunk)`` under
+  ``disable_mtp_completeness_check``, ``finalize_layerwise_reload(model, model_config)``). The
+  transfer engine itself needs CUDA IPC or NCCL, so the chunk arrives here from its file;
 * ``quit``.
 
 ``--reprepack-moe`` works around a vLLM CPU bug before each reload (docs/UPSTREAM.md 46): vllm
@@ -45,6 +53,30 @@ def _clear_moe_kernels(worker) -> int:  # runs inside vLLM's worker (collective_
             method.moe_kernel = None
             cleared += 1
     return cleared
+
+
+def _start_session(worker) -> None:  # the worker side of vLLM's start_weight_update (checkpoint format)
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def _load_chunk(worker, file: str) -> None:  # one update_weights chunk
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+    with set_current_vllm_config(worker.vllm_config), disable_mtp_completeness_check():
+        worker.model_runner.get_model().load_weights(list(_tensors([file])))
+
+
+def _finish_session(worker) -> None:  # finish_weight_update
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
 
 
 def _tensors(files: list[str]) -> Iterator[tuple[str, object]]:
@@ -104,6 +136,14 @@ def main() -> int:
                         [step[t].logprob for t, step in zip(completion.token_ids, completion.logprobs, strict=True)]
                     )
                 answer = {"tokens": tokens, "logprobs": logprobs}
+            elif op == "push":
+                cleared = sum(llm.collective_rpc(_clear_moe_kernels)) if args.reprepack_moe else 0
+                llm.collective_rpc(_start_session)
+                for file in request["tensor_files"]:
+                    llm.collective_rpc(_load_chunk, args=(file,))
+                llm.collective_rpc(_finish_session)
+                llm.reset_prefix_cache()
+                answer = {"ok": True, "moe_kernels_cleared": cleared}
             elif op == "reload":
                 cleared = sum(llm.collective_rpc(_clear_moe_kernels)) if args.reprepack_moe else 0
                 if "weights_path" in request:
