@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -287,6 +288,37 @@ def test_config_problems_name_the_field(good, tmp_path, capsys, field, value, ex
     lines = refused(capsys, ["roundtrip", "--hf-checkpoint", str(copy)])
     assert lines[-1].startswith(f"vime-gemma4 roundtrip: error: {copy / 'config.json'}") and expected in lines[-1]
     assert len(lines) == 1, lines
+
+
+def _untied(tensors: dict, config: dict) -> None:
+    """A fine-tuned untied Gemma 4: ``tie_word_embeddings: false`` and an ``lm_head.weight`` of its own."""
+    config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = False
+    tensors["lm_head.weight"] = tensors["model.language_model.embed_tokens.weight"].flip(0).contiguous()
+
+
+UNTIED = "tie_word_embeddings is false (an lm_head of its own): untied Gemma 4 is not supported"
+
+
+def test_untied_checkpoint_is_refused_before_launch(good, tmp_path, capsys) -> None:
+    """Refused in one line, exit 2, before any rank starts (it died in an AttributeError inside the
+    bridge, and on the fork would have left ``lm_head`` random)."""
+    source = damaged(good, tmp_path, _untied)
+    lines = refused(capsys, ["roundtrip", "--hf-checkpoint", str(source)])
+    assert len(lines) == 1 and UNTIED in lines[0], lines
+
+
+def test_untied_checkpoint_is_refused_on_vimes_road(good, tmp_path) -> None:
+    """vime builds its model from the bridge's provider (``AutoBridge.to_megatron_provider``): refused there
+    too, naming the field, as the plugin's ``UnsupportedCheckpoint``."""
+    from megatron.bridge import AutoBridge
+
+    import vime_gemma4_bridge
+    from vime_gemma4_bridge.core.bridge import UnsupportedCheckpoint
+
+    vime_gemma4_bridge.register()
+    bridge = AutoBridge.from_hf_pretrained(str(damaged(good, tmp_path, _untied)))
+    with pytest.raises(UnsupportedCheckpoint, match=re.escape(UNTIED)):
+        bridge.to_megatron_provider(load_weights=False)
 
 
 # ------------------------------------------------------------------------------------------------

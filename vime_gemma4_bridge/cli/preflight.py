@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vime_gemma4_bridge.convert.topology import Topology, validate_model_topology
-from vime_gemma4_bridge.core.hf_layout import text_config_dict
+from vime_gemma4_bridge.core.hf_layout import UNTIED_REFUSAL, text_config_dict, ties_embeddings
 from vime_gemma4_bridge.io.hf import SAFETENSORS_DTYPES, CheckpointError, HFCheckpoint
 from vime_gemma4_bridge.runtime.launch import requested_world_size
 
@@ -94,6 +94,8 @@ def check_config(checkpoint: HFCheckpoint) -> dict[str, Any]:
         raise ConfigError(
             f"{checkpoint.path / 'config.json'} is refused by transformers ({why}); fix config.json"
         ) from None
+    if not ties_embeddings(config):
+        raise ConfigError(f"{checkpoint.path / 'config.json'}: {UNTIED_REFUSAL}")
     text = (config.text_config if hasattr(config, "text_config") else config).to_dict()
     moe = bool(text.get("enable_moe_block"))
     for field in _SIZES:

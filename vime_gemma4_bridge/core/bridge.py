@@ -48,9 +48,11 @@ from vime_gemma4_bridge.core.hf_layout import (
     LANGUAGE_MODEL_PREFIX,
     PER_EXPERT,
     STACKED,
+    UNTIED_REFUSAL,
     check_expert_layout,
     global_kv_heads,
     split_expert,
+    ties_embeddings,
 )
 from vime_gemma4_bridge.core.layer_pattern import FULL, SLIDING, pattern_from_layer_types
 from vime_gemma4_bridge.core.provider import Gemma4DenseTextModelProvider, Gemma4TextModelProvider
@@ -231,6 +233,8 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
 
     def provider_bridge(self, hf_pretrained: Any) -> Any:
         self.hf_config = hf_pretrained.config
+        if not ties_embeddings(self.hf_config):  # every road builds its model here: vime's too
+            raise UnsupportedCheckpoint(UNTIED_REFUSAL)
         text = self._text_config()
         provider = dense_provider(text) if self._is_dense() else moe_provider(text)
         # Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x TP (megatron-core

@@ -22,6 +22,24 @@ def text_config_dict(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return config.get("text_config") or config
 
 
+#: Why an untied checkpoint is refused, the same words on every road (the pre-flight and the bridge).
+UNTIED_REFUSAL = (
+    "tie_word_embeddings is false (an lm_head of its own): untied Gemma 4 is not supported, the mappings carry "
+    "one embedding for both ends (docs/UPSTREAM.md 49)"
+)
+
+
+def ties_embeddings(config: Mapping[str, Any] | Any) -> bool:
+    """Whether ``lm_head`` is ``embed_tokens`` (every published Gemma 4): neither the config (dict or object)
+    nor its text config says ``tie_word_embeddings: false``. A fine-tuned variant may untie them."""
+
+    def field(part: Mapping[str, Any] | Any, name: str) -> Any:
+        return part.get(name) if isinstance(part, Mapping) else getattr(part, name, None)
+
+    text = field(config, "text_config")
+    return all(field(part, "tie_word_embeddings") is not False for part in (config, text) if part is not None)
+
+
 def global_kv_heads(text: Mapping[str, Any] | Any) -> int:
     """KV heads of full-attention layers, as transformers builds them, from a text config (dict or object).
 
