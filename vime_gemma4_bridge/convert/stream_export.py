@@ -50,6 +50,7 @@ from vime_gemma4_bridge.convert.streaming import (
     plan_streamed_experts,
     stored_shape,
 )
+from vime_gemma4_bridge.core.bitwise import same_bytes
 from vime_gemma4_bridge.io.hf import SAFETENSORS_DTYPES, TORCH_DTYPES, LazyTensor
 from vime_gemma4_bridge.io.torch_dist_layout import ConversionError, refuse_unused_keys, sharded_state_dict
 from vime_gemma4_bridge.io.torch_dist_reader import TorchDistReader
@@ -208,7 +209,7 @@ def streamed_export_tensors(experts: StreamedExperts, reader: TorchDistReader) -
                 stored = reader.read(piece.key, piece.global_offset, stored_shape(piece))
                 piece.data.copy_(stored.view(piece.data.shape))
         converted = first.task.mapping.megatron_to_hf(param, first.task.megatron_module)
-        if list(converted) != [name] or not torch.equal(converted[name], param):
+        if list(converted) != [name] or not same_bytes(converted[name], param):
             raise ConversionError(
                 f"Megatron-Bridge's mapping of {first.task.param_name} is not a plain stack of experts "
                 f"(got {sorted(converted)}); export with an explicit topology (e.g. --tp 1 --ep 1) instead"

@@ -53,6 +53,7 @@ from vime_gemma4_bridge.convert.streaming import (
     plan_streamed_experts,
     stored_shape,
 )
+from vime_gemma4_bridge.core.bitwise import same_bytes
 from vime_gemma4_bridge.io.hf import HFCheckpoint, TensorLocation, release_pages
 from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
 from vime_gemma4_bridge.io.torch_dist import write_failure
@@ -195,7 +196,7 @@ class _Stream:
                 flat = converted.reshape(-1)
                 name = firsts.get(id(task))
                 if name is not None:
-                    if not torch.equal(flat, plan.locations[name].mapped()[0].reshape(-1)):
+                    if not same_bytes(flat, plan.locations[name].mapped()[0].reshape(-1)):
                         raise ConversionError(
                             f"Megatron-Bridge's mapping of {task.param_name} is not a plain slice of {name}; "
                             "import with an explicit topology (e.g. --tp 1 --ep 1) instead"

@@ -30,6 +30,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
+from vime_gemma4_bridge.core.bitwise import same_bytes
+
 
 class TiedEmbeddingMismatch(ValueError):
     """The last pipeline stage's output layer differs from stage 0's embedding."""
@@ -66,7 +68,7 @@ def check_tied_embeddings(megatron_model: Any) -> None:
     if not _tied_across_stages(models):
         return
     device = next(models[0].parameters()).device
-    max_diff = torch.zeros(1, dtype=torch.float64, device=device)
+    found = torch.zeros(2, dtype=torch.float64, device=device)  # [any byte differs, max |Δ| for the message]
     if parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
         group = parallel_state.get_embedding_group()
         ranks = torch.distributed.get_process_group_ranks(group)
@@ -77,12 +79,13 @@ def check_tied_embeddings(megatron_model: Any) -> None:
             weight = models[-1].output_layer.weight.detach()
         reference = weight.clone()
         torch.distributed.broadcast(reference, src=ranks[0], group=group)
-        if not first_stage:
-            max_diff[0] = (weight.double() - reference.double()).abs().max()
-    torch.distributed.all_reduce(max_diff, op=torch.distributed.ReduceOp.MAX)
-    if max_diff.item() != 0.0:
+        if not first_stage and not same_bytes(weight, reference):  # bytes: a NaN is its own tied copy
+            found[0] = 1.0
+            found[1] = (weight.double() - reference.double()).abs().max()
+    torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+    if found[0].item():
         raise TiedEmbeddingMismatch(
             "tied embeddings diverged: the last pipeline stage's output_layer.weight differs from stage 0's "
-            f"embedding (max |Δ|={max_diff.item():.6g}); the HF export carries only embed_tokens, so fix the "
+            f"embedding (max |Δ|={found[1].item():.6g}); the HF export carries only embed_tokens, so fix the "
             "training run (embedding-group gradient all-reduce) or re-tie before exporting"
         )

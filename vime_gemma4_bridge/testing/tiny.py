@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vime_gemma4_bridge.core.bitwise import same_bytes
 from vime_gemma4_bridge.io.commit import atomic_directory
 from vime_gemma4_bridge.testing.spec import TinySpec
 from vime_gemma4_bridge.testing.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKEN_ID, build_tokenizer
@@ -128,7 +129,7 @@ def _verify_written(directory: Path, expected: Mapping[str, torch.Tensor]) -> No
             f"unexpected {sorted(set(saved) - set(expected))}"
         )
     for name, t in expected.items():
-        if saved[name].dtype != t.dtype or not torch.equal(saved[name], t):
+        if not same_bytes(saved[name], t):
             raise AssertionError(f"{name} was not saved bit-exactly")
     assert_all_distinct(saved)
 

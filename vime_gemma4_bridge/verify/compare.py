@@ -6,7 +6,7 @@ pushed weight update (``vime-gemma4 verify-update``). Each pairs the two sets wi
 every pair with :func:`compare_tensors` and keeps what its own report needs. Checkpoints are read through
 :class:`TensorFiles`, one tensor at a time, so two checkpoints are never in memory together.
 
-"Equal" is bitwise: same dtype, same shape, ``torch.equal`` values.
+"Equal" is bitwise: same dtype, same shape, same bytes (``core/bitwise.same_bytes``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vime_gemma4_bridge.core.bitwise import same_bytes
 from vime_gemma4_bridge.verify.fingerprint import CHUNK
 
 #: What a pair can be: ``equal`` (bitwise), ``close`` (within ``atol``), ``different`` values, another
@@ -28,8 +29,8 @@ STATUSES = ("equal", "close", "different", "dtype", "shape", "missing", "extra")
 
 
 def tensors_identical(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise identity: dtype, shape and every element (``torch.equal``)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    """Bitwise identity: dtype, shape and every byte (NaN, Inf and ``-0.0`` included)."""
+    return same_bytes(a, b)
 
 
 def difference(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:

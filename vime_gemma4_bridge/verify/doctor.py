@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from vime_gemma4_bridge.core.bitwise import same_bytes
 from vime_gemma4_bridge.core.hf_layout import text_config_dict
 from vime_gemma4_bridge.verify.compare import TensorFiles, compare_tensors, difference, walk
 from vime_gemma4_bridge.verify.diagnose import Evidence, diagnose
@@ -136,11 +137,11 @@ class _Comparator:
         record.digest_b, fps_b = self._digest(name, tb, "b")
         if diff.status == "shape":
             flipped = ta.transpose(-1, -2) if ta.ndim >= 2 else None
-            record.transposed = flipped is not None and tb.shape == flipped.shape and torch.equal(tb, flipped)
+            record.transposed = flipped is not None and same_bytes(tb, flipped)
             return record
         if diff.status == "dtype":
             cast = tb.to(ta.dtype)
-            record.lossless_cast = torch.equal(cast.to(tb.dtype), tb)
+            record.lossless_cast = same_bytes(cast.to(tb.dtype), tb)
             if fps_a is not None and record.lossless_cast:
                 # A lossless dtype change must not hide a misplaced expert: compare content in A's dtype.
                 self._expert_table(name, ta, cast, fps_a, self._digest(name, cast, "b")[1] or [])

@@ -1,6 +1,6 @@
 """HF tensor names (families, layers, experts) and the round trip's report: bitwise, per tensor family.
 
-"Correct" is bitwise: same names, dtypes, shapes and ``torch.equal`` values, nothing missing,
+"Correct" is bitwise: same names, dtypes, shapes and bytes (``core/bitwise.same_bytes``), nothing missing,
 nothing extra (the comparison engine's verdict, :mod:`vime_gemma4_bridge.verify.compare`). The
 per-family table is what ``roundtrip`` prints; the EP-boundary check makes the original bug
 (expert 0 copied over expert E/EP) visible by name even when counts match.
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vime_gemma4_bridge.core.bitwise import same_bytes
 from vime_gemma4_bridge.verify.compare import compare_tensors, walk
 
 #: Names of the stacked routed-expert tensors (HF, relative to a layer).
@@ -125,9 +126,9 @@ def _check_expert_boundaries(name: str, ref: torch.Tensor, got: torch.Tensor, ep
     failures = []
     for left, right in ep_boundary_pairs(ref.shape[0], max(ep, 2)):
         for expert in (left, right):
-            if not torch.equal(got[expert], ref[expert]):
+            if not same_bytes(got[expert], ref[expert]):
                 failures.append(f"{name}: expert {expert} is not in place")
-        if torch.equal(got[left], got[right]):
+        if same_bytes(got[left], got[right]):
             failures.append(f"{name}: experts {left} and {right} are duplicates across an EP boundary")
     return failures
 

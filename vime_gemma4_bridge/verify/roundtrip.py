@@ -1,7 +1,7 @@
 """The round trip: HF → Megatron (at a topology) → HF, proven bitwise (``vime-gemma4 roundtrip``).
 
 This is the check that would have caught the original bug report (experts copied across EP
-boundaries at TP2·PP2·EP4): every language-model tensor must come back ``torch.equal`` to the
+boundaries at TP2·PP2·EP4): every language-model tensor must come back byte for byte equal to the
 source, with the same name, dtype and shape, nothing missing, nothing extra, and the experts on
 both sides of every EP boundary distinct and in place (:func:`vime_gemma4_bridge.verify.report.compare`).
 It lives with the proofs, not with the conversions it is built from: it judges them.
