@@ -365,7 +365,7 @@ def test_topology_str_and_sizes() -> None:
         (Topology(tp=0), 4, r"--tp must be a whole number >= 1, got 0"),
         (Topology(ep=-1), 4, r"--ep must be a whole number >= 1"),
         (Topology(pp=2, vpp=0), 4, r"--vpp must be a whole number >= 1 or omitted"),
-        (Topology(), 0, r"world size must be a whole number >= 1"),
+        (Topology(), 0, r"--nproc \(the world size; under torchrun its WORLD_SIZE\) must be a whole number >= 1"),
     ],
 )
 def test_topology_validate_rejects(topology: Topology, world: int, message: str) -> None:

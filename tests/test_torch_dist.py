@@ -255,7 +255,7 @@ def test_import_refusals(checkpoints, capsys, tmp_path: Path) -> None:
         (["--pp", "2", "--vpp", "4", "--nproc", "2"], ("4 layers", "PP×VPP", "8")),
         (["--tp", "2", "--pp", "2", "--nproc", "2"], ("does not fit 2 rank(s)", "--nproc 4")),
         (["--ep", "4", "--nproc", "6"], ("does not fit 6 rank(s)", "ETP·EP·PP")),
-        (["--nproc", "0"], ("world size must be a whole number",)),
+        (["--nproc", "0"], ("--nproc (the world size; under torchrun its WORLD_SIZE) must be a whole number",)),
         (["--vpp", "2", "--nproc", "2"], ("--vpp 2 needs pipeline parallelism",)),
     ]
     for extra, needles in refusals:

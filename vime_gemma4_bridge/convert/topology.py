@@ -69,7 +69,10 @@ class Topology:
             if self.pp == 1:
                 raise ValueError(f"--vpp {self.vpp} needs pipeline parallelism: set --pp to 2 or more, or omit --vpp")
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world size must be a whole number >= 1, got {world_size!r}")
+            raise ValueError(
+                f"--nproc (the world size; under torchrun its WORLD_SIZE) must be a whole number >= 1, "
+                f"got {world_size!r}"
+            )
         hint = f"use a world size that is a multiple of {self.min_world_size} (e.g. --nproc {self.min_world_size})"
         if world_size % self.model_parallel_size:
             raise ValueError(
