@@ -398,12 +398,13 @@ def small_filesystem(path: Path, *options: str) -> Iterator[Path]:
         subprocess.run(["umount", str(path)], check=False)
 
 
-@pytest.mark.parametrize("command", ["roundtrip", "import"])
+@pytest.mark.parametrize("command", ["roundtrip", "import", "export-live"])
 def test_disk_full_is_one_line_and_leaves_nothing(good, tmp_path, command) -> None:
     before = digest(good)
     with small_filesystem(tmp_path / "fs", "size=300k") as fs:
-        flag = "--output" if command == "roundtrip" else "--save"
-        proc = run_cli(command, "--hf-checkpoint", str(good), flag, str(fs / "out"))
+        flag = {"roundtrip": "--output", "import": "--save", "export-live": "--dump"}[command]
+        extra = ["--buffer-size", "100000"] if command == "export-live" else []
+        proc = run_cli(command, "--hf-checkpoint", str(good), *extra, flag, str(fs / "out"))
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         last = proc.stderr.splitlines()[-1]
         assert last.startswith(f"vime-gemma4 {command}: error: writing ") and "No space left on device" in last

@@ -163,43 +163,48 @@ def export_live_job(
     writer = convert.is_rank0()
     out = Path(dump)
     result: dict[str, Any] | None = None
-    with atomic_directory(out, replace=force) if writer else contextlib.nullcontext() as tmp:
-        files: list[tuple[str, list[str], int]] = []
-        start = time.perf_counter()
-        stream = iter_hf_weights(bridge, model, cpu=True, expert_layout=expert_layout, quantize=quantize)
-        chunks = chunk_by_bytes(stream, buffer_size)
-        for index, chunk in enumerate(chunks, start=1):
-            if tmp is None:
-                continue
-            name = f"model-{index:05d}.safetensors"
-            state = [(hf_name, tensor) for hf_name, tensor, _ in chunk]
-            hf_io.save_safetensors(tmp / name, state, metadata={"format": "pt"})
-            files.append((name, [n for n, _ in state], sum(hf_io.tensor_nbytes(t) for _, t in state)))
-        seconds = time.perf_counter() - start
-        if tmp is not None:
-            total = len(files)
-            weight_map: dict[str, str] = {}
-            for index, (name, names, _) in enumerate(files, start=1):
-                final = f"model-{index:05d}-of-{total:05d}.safetensors"
-                (tmp / name).rename(tmp / final)
-                weight_map.update({n: final for n in names})
-            source = hf_io.HFCheckpoint(hf_checkpoint)
-            for item in source.path.iterdir():  # side files, as vime's disk transport copies them
-                if item.is_file() and not item.name.endswith(".safetensors") and item.name != hf_io.INDEX_NAME:
-                    shutil.copy2(item, tmp / item.name)
-            if quantize == "fp8":  # the dump is a checkpoint vLLM's FP8 method reads
-                hf_io.update_config(tmp, config_fields(source))
-            total_bytes = sum(size for *_, size in files)
-            index_data = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-            (tmp / hf_io.INDEX_NAME).write_text(json.dumps(index_data, indent=2) + "\n")
-            result = {
-                "dump": str(out),
-                "chunks": total,
-                "tensors": len(weight_map),
-                "bytes": total_bytes,
-                "largest_chunk_bytes": max(size for *_, size in files),
-                "chunk_tensor_counts": [len(names) for _, names, _ in files],
-                "seconds": seconds,
-                "vllm_block_misfits": vllm_block_misfits(source.shapes()) if quantize == "fp8" else [],
-            }
+    try:
+        with atomic_directory(out, replace=force) if writer else contextlib.nullcontext() as tmp:
+            files: list[tuple[str, list[str], int]] = []
+            start = time.perf_counter()
+            stream = iter_hf_weights(bridge, model, cpu=True, expert_layout=expert_layout, quantize=quantize)
+            chunks = chunk_by_bytes(stream, buffer_size)
+            for index, chunk in enumerate(chunks, start=1):
+                if tmp is None:
+                    continue
+                name = f"model-{index:05d}.safetensors"
+                state = [(hf_name, tensor) for hf_name, tensor, _ in chunk]
+                hf_io.save_safetensors(tmp / name, state, metadata={"format": "pt"})
+                files.append((name, [n for n, _ in state], sum(hf_io.tensor_nbytes(t) for _, t in state)))
+            seconds = time.perf_counter() - start
+            if tmp is not None:
+                total = len(files)
+                weight_map: dict[str, str] = {}
+                for index, (name, names, _) in enumerate(files, start=1):
+                    final = f"model-{index:05d}-of-{total:05d}.safetensors"
+                    (tmp / name).rename(tmp / final)
+                    weight_map.update({n: final for n in names})
+                source = hf_io.HFCheckpoint(hf_checkpoint)
+                for item in source.path.iterdir():  # side files, as vime's disk transport copies them
+                    if item.is_file() and not item.name.endswith(".safetensors") and item.name != hf_io.INDEX_NAME:
+                        shutil.copy2(item, tmp / item.name)
+                if quantize == "fp8":  # the dump is a checkpoint vLLM's FP8 method reads
+                    hf_io.update_config(tmp, config_fields(source))
+                total_bytes = sum(size for *_, size in files)
+                index_data = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+                (tmp / hf_io.INDEX_NAME).write_text(json.dumps(index_data, indent=2) + "\n")
+                result = {
+                    "dump": str(out),
+                    "chunks": total,
+                    "tensors": len(weight_map),
+                    "bytes": total_bytes,
+                    "largest_chunk_bytes": max(size for *_, size in files),
+                    "chunk_tensor_counts": [len(names) for _, names, _ in files],
+                    "seconds": seconds,
+                    "vllm_block_misfits": vllm_block_misfits(source.shapes()) if quantize == "fp8" else [],
+                }
+    except OSError as error:  # the writer's disk full, read-only file system, ...
+        if not writer:
+            raise
+        raise hf_io.write_failed(out, error) from None
     return convert.broadcast_from_rank0(result)

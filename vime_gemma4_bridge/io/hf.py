@@ -315,10 +315,16 @@ def write_hf_checkpoint(
             with _progress(f"Writing {out.name}", len(ordered), show_progress) as advance:
                 write_shards(tmp, ordered, max_shard_size, advance=advance)
     except OSError as error:  # disk full, permission denied, read-only file system, ...
-        raise CheckpointError(
-            f"writing {out} failed: {error.strerror or error} ({error.filename or out.parent}); nothing was written"
-        ) from None
+        raise write_failed(out, error) from None
     return out
+
+
+def write_failed(out: Path, error: OSError) -> CheckpointError:
+    """The one-line failure of an atomic write of ``out`` (disk full, read-only, ...): the path named, nothing
+    left (``atomic_directory`` removed the partial). A bare ``OSError`` says neither."""
+    return CheckpointError(
+        f"writing {out} failed: {error.strerror or error} ({error.filename or out.parent}); nothing was written"
+    )
 
 
 def update_config(directory: Path, fields: Mapping[str, Any]) -> None:
