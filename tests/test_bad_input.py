@@ -166,6 +166,25 @@ def test_index_naming_a_shard_that_lacks_the_tensor(good, tmp_path, capsys) -> N
     assert lines[-1].endswith("model-00002-of-00002.safetensors is missing (named by model.safetensors.index.json)")
 
 
+def test_index_that_omits_a_stored_tensor(good, tmp_path, capsys) -> None:
+    """A shard holds a tensor its index does not list: named before any rank starts (exit 2). It was
+    read from the shard headers here while the bridge's loader, following the index, missed it:
+    "Megatron parameter ... has no Gemma 4 mapping" after the ranks had started (exit 1)."""
+    source = tmp_path / "hf"
+    shutil.copytree(good, source)
+    shard = next(source.glob("*.safetensors")).name
+    with safe_open(source / shard, framework="pt") as handle:
+        index = {"metadata": {}, "weight_map": {name: shard for name in handle.keys()}}
+    del index["weight_map"]["model.language_model.norm.weight"]
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    lines = refused(capsys, ["roundtrip", "--hf-checkpoint", str(source)])
+    assert len(lines) == 1, lines
+    assert lines[-1].endswith(
+        f"model.safetensors.index.json lacks tensor 'model.language_model.norm.weight', which {shard} holds "
+        "(1 in all); readers that follow the index would not load it: fix the index"
+    )
+
+
 # ------------------------------------------------------------------------------------------------
 # torch_dist integrity
 # ------------------------------------------------------------------------------------------------

@@ -128,6 +128,12 @@ class HFCheckpoint:
         for name, file in weight_map.items():
             if listed.get(name) != file:
                 raise CheckpointError(f"{INDEX_NAME} names tensor {name!r} in {file}, but that file does not hold it")
+        unindexed = [name for name in listed if weight_map and name not in weight_map]
+        if unindexed:  # transformers and Megatron-Bridge load by the index: they would not see these
+            raise CheckpointError(
+                f"{INDEX_NAME} lacks tensor {unindexed[0]!r}, which {listed[unindexed[0]]} holds "
+                f"({len(unindexed)} in all); readers that follow the index would not load it: fix the index"
+            )
         return listed
 
     def names(self) -> list[str]:
