@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vime_gemma4_bridge.convert.topology import Topology, validate_model_topology
-from vime_gemma4_bridge.core.hf_layout import UNTIED_REFUSAL, text_config_dict, ties_embeddings
+from vime_gemma4_bridge.core.hf_layout import UNTIED_REFUSAL, declared_dtype, text_config_dict, ties_embeddings
 from vime_gemma4_bridge.io.hf import SAFETENSORS_DTYPES, CheckpointError, HFCheckpoint
 from vime_gemma4_bridge.runtime.launch import requested_world_size
 
@@ -143,7 +143,7 @@ def expected_language_model(checkpoint: HFCheckpoint) -> dict[str, tuple[list[in
 
     config = transformers.AutoConfig.from_pretrained(checkpoint.path)
     architecture = next(a for a in config.architectures if a in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"))
-    dtype = _declared_dtype(config) or torch.float32
+    dtype = declared_dtype(config) or torch.float32
     with torch.device("meta"), torch.random.fork_rng(devices=[]):
         model = getattr(transformers, architecture)(config)
     tied = set(getattr(model, "_tied_weights_keys", None) or ())
@@ -153,18 +153,6 @@ def expected_language_model(checkpoint: HFCheckpoint) -> dict[str, tuple[list[in
             tensor_dtype = dtype if tensor.is_floating_point() else tensor.dtype
             expected[name] = (list(tensor.shape), SAFETENSORS_DTYPES[tensor_dtype])
     return expected
-
-
-def _declared_dtype(config: Any) -> Any:
-    import torch
-
-    for holder in (getattr(config, "text_config", None), config):
-        dtype = getattr(holder, "dtype", None) or getattr(holder, "torch_dtype", None)
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype, None)
-        if isinstance(dtype, torch.dtype):
-            return dtype
-    return None
 
 
 def check_language_model(checkpoint: HFCheckpoint) -> None:

@@ -40,6 +40,28 @@ def ties_embeddings(config: Mapping[str, Any] | Any) -> bool:
     return all(field(part, "tie_word_embeddings") is not False for part in (config, text) if part is not None)
 
 
+def declared_dtype(config: Mapping[str, Any] | Any) -> Any:
+    """The ``torch.dtype`` a config (dict or object) declares: its text config's, else its own (VL configs
+    declare it at the top level only), as ``dtype`` or the older ``torch_dtype``; ``None`` if neither.
+
+    torch is imported only when asked, so this module stays cheap to import.
+    """
+    import torch
+
+    def field(part: Mapping[str, Any] | Any, name: str) -> Any:
+        return part.get(name) if isinstance(part, Mapping) else getattr(part, name, None)
+
+    for holder in (field(config, "text_config"), config):
+        if holder is None:
+            continue
+        dtype = field(holder, "dtype") or field(holder, "torch_dtype")
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return None
+
+
 def global_kv_heads(text: Mapping[str, Any] | Any) -> int:
     """KV heads of full-attention layers, as transformers builds them, from a text config (dict or object).
 

@@ -127,13 +127,14 @@ def rollout_check(
     """Greedy continuations of fixed prompts from ``server``, scored by transformers with ``hf_checkpoint``."""
     import torch
 
+    from vime_gemma4_bridge.core.hf_layout import declared_dtype
     from vime_gemma4_bridge.verify.parity import excluded_token_ids, fixed_token_ids, hf_logits
 
     server = server.rstrip("/")
     config = json.loads((Path(hf_checkpoint) / "config.json").read_text())
     text = config.get("text_config", config)
     vocab_size = int(text["vocab_size"])
-    dtype = str(text.get("dtype") or config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    dtype = str(declared_dtype(config) or torch.bfloat16).removeprefix("torch.")
     bound = DEFAULT_TOLERANCE.get(dtype, 0.2) if tolerance is None else tolerance
     name = served_model(server, model)
     complete(server, name, [vocab_size - 1], 1, vocab_size)  # a smaller vocabulary refuses the last id
