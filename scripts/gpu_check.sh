@@ -6,10 +6,11 @@
 # Run from the repository root:  bash scripts/gpu_check.sh   (record what it prints in docs/GPU.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 CLI="$PY -m vime_gemma4_bridge.cli"
 OUT=$(mktemp -d)
-trap 'rm -rf "$OUT"' EXIT
+# GPU_CHECK_LOGS=FILE.tar.gz keeps every check's full log (the lines below show their last lines only).
+trap '[ -n "${GPU_CHECK_LOGS:-}" ] && tar -czf "$GPU_CHECK_LOGS" -C "$OUT" $(cd "$OUT" && ls -- *.log); rm -rf "$OUT"' EXIT
 failures=0
 
 check() {  # check NAME COMMAND...: run it under a cap (CAP seconds, default 150), print PASS/FAIL with its last line
@@ -49,6 +50,12 @@ check export-live-pp2 $CLI export-live --hf-checkpoint "$OUT/vl" --pp 2 --ep 2 -
   --dump "$OUT/dump"
 check verify-update $CLI verify-update --hf-checkpoint "$OUT/vl" --dump "$OUT/dump"
 # vLLM itself on the GPU (tests/test_vllm.py with the image's vLLM): every weight road, and the FP8 dump served.
-VIME_VLLM_PYTHON=${VLLM_PYTHON:-$(command -v python)} CAP=420 check vllm-roads $PY -m pytest -q -x tests/test_vllm.py
+# A machine without vLLM (a bare CUDA image: its wheels are far larger than what can be carried) says so.
+VLLM_PY=${VLLM_PYTHON:-$(command -v python3 || command -v python)}
+if "$VLLM_PY" -c 'import vllm' >/dev/null 2>&1; then
+  VIME_VLLM_PYTHON=$VLLM_PY CAP=420 check vllm-roads $PY -m pytest -q -x tests/test_vllm.py
+else
+  echo "SKIP  vllm-roads: $VLLM_PY cannot import vllm (set VLLM_PYTHON to a Python with vLLM)"
+fi
 echo "== gpu_check: $failures failed"
 exit $((failures > 0))

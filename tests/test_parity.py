@@ -178,3 +178,25 @@ def test_fp32_parity_multi_rank(local_world, checkpoints: dict[str, Path], name:
     assert_fp32_parity(result, FP32_BOUND[name])
     if name.endswith("vocab-1001"):
         assert result["padded_vocab_size"] == 1002
+
+
+def parity_beside_a_gpu_it_does_not_own(*args, **kwargs) -> dict:
+    """:func:`parity_job` on a rank that sees CUDA but joined a gloo world: ``--nproc 2`` on a one-GPU machine.
+
+    There the model is built on the CPU, so megatron-core's ``torch.cuda.current_device()`` allocations must
+    answer the CPU too (on an H200 they answered cuda:0: "found at least two devices", docs/GPU.md), and its
+    compiled fusions must not compile against CUDA (here dynamo would initialise CUDA in a forked rank).
+    """
+    from unittest import mock
+
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):
+        return parity_job(*args, **kwargs)
+
+
+def test_fp32_parity_gloo_ranks_beside_a_gpu(local_world, checkpoints: dict[str, Path]) -> None:
+    topology = Topology(ep=2)
+    results = local_world(WORLD).run(
+        parity_beside_a_gpu_it_does_not_own, str(checkpoints["moe-vl"]), topology, "float32", SEQ_LEN, BATCH
+    )
+    assert results[0]["topology"] == str(topology)
+    assert_fp32_parity(results[0], FP32_BOUND["moe-vl"])

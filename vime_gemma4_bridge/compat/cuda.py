@@ -1,6 +1,8 @@
 """Running megatron-core code that assumes CUDA on a host without it (docs/UPSTREAM.md 11, 16, C1).
 
-All three shims do nothing where CUDA is available, and each is active only inside a ``with`` block.
+All three shims act only where the ranks compute on the host (:func:`on_host`: no CUDA, or a gloo
+world on a machine with fewer GPUs than ranks, whose model is built on the CPU), and each only inside
+a ``with`` block. Where the ranks own GPUs (nccl) they do nothing.
 """
 
 from __future__ import annotations
@@ -9,39 +11,63 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
+
+
+def on_host() -> bool:
+    """Whether this process computes on the CPU: no CUDA here, or it joined a non-nccl (gloo) world.
+
+    CUDA alone does not decide it: ``--nproc 2`` on a one-GPU machine runs gloo ranks whose model is
+    built on the CPU (:func:`vime_gemma4_bridge.convert.model.build_model`), and there megatron-core's
+    ``torch.cuda.current_device()`` allocations would meet CPU weights ("found at least two devices,
+    cuda:0 and cpu", scripts/gpu_check.sh's parity at EP2 on an H200, docs/GPU.md).
+    """
+    if not torch.cuda.is_available():
+        return True
+    return dist.is_initialized() and dist.get_backend() != "nccl"
 
 
 @contextlib.contextmanager
 def host_cuda_device() -> Iterator[None]:
-    """While active on a host without CUDA, ``torch.cuda.current_device()`` answers the CPU.
+    """While active on the host (:func:`on_host`), ``torch.cuda.current_device()`` answers the CPU.
 
     megatron-core's forward path allocates on ``torch.cuda.current_device()`` in many places that
     take no device argument: TP/EP gathers and reduce-scatters (``tensor_parallel.mappings``, used
     by the MoE token dispatcher), the global memory buffer, RoPE (``inv_freq`` moved on first use)
     and the MoE router (its weight moved on first use). Without a driver each of them raises;
     pointing them at the CPU makes the same computation run there, over gloo.
+
+    Beside a GPU (gloo ranks on a machine with fewer GPUs than ranks) megatron-core's
+    ``torch.compile``'d fusions also run eagerly here: dynamo, seeing CUDA, compiles them against it
+    and failed on an H200 (docs/GPU.md); on a host without CUDA they compile for the CPU as before.
     """
-    if torch.cuda.is_available():
+    if not on_host():
         yield
         return
     original = torch.cuda.current_device
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     try:
-        yield
+        if torch.cuda.is_available():
+            from torch._dynamo import config as dynamo_config
+
+            with dynamo_config.patch(disable=True):
+                yield
+        else:
+            yield
     finally:
         torch.cuda.current_device = original  # type: ignore[assignment]
 
 
 @contextlib.contextmanager
 def tensors_stay_on_host() -> Iterator[None]:
-    """While active on a host without CUDA, ``Tensor.cuda()`` returns the tensor unchanged.
+    """While active on the host (:func:`on_host`), ``Tensor.cuda()`` returns the tensor unchanged.
 
     With PP > 1, ``LanguageModule.setup_embeddings_and_output_layer`` moves the tied weight to
     CUDA (``weight.data.cuda()``) before all-reducing it between the first and last stage; without
     a GPU that call can only raise, so while the model is built CPU tensors stay where they are
     and the all-reduce runs over gloo.
     """
-    if torch.cuda.is_available():
+    if not on_host():
         yield
         return
     original = torch.Tensor.cuda
@@ -54,14 +80,14 @@ def tensors_stay_on_host() -> Iterator[None]:
 
 @contextlib.contextmanager
 def cpu_checkpointing() -> Iterator[None]:
-    """While active on a host without CUDA, megatron-core's torch_dist reader and writer run (docs/UPSTREAM.md 16).
+    """While active on the host (:func:`on_host`), megatron-core's torch_dist reader and writer run (UPSTREAM 16).
 
     ``FileSystemWriterAsync.preload_tensors`` calls ``torch.cuda.synchronize()`` after staging tensors to
     the CPU, and ``save_state_dict_async_finalize`` broadcasts its failure flag in a tensor on
     ``torch.cuda.current_device()``; without a driver both raise. Here there is nothing to synchronize
     and the flag lives on the CPU (gloo).
     """
-    if torch.cuda.is_available():
+    if not on_host():
         yield
         return
     original = torch.cuda.synchronize

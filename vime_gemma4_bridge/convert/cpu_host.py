@@ -5,7 +5,8 @@ the tied-embedding all-reduce of a PP > 1 build moves the weight to CUDA, and th
 gathers, buffers, masks and router allocate on ``torch.cuda.current_device()``. The model code (core/) is what
 an upstream pull request would contain, so it stays free of these run-time patches; this adapter
 applies them where the model is built (:func:`vime_gemma4_bridge.convert.model.build_model`, and
-any caller building a provider's model on a CPU host), and only where CUDA is absent. On a GPU
+any caller building a provider's model on a CPU host), and only where the ranks compute on the host
+(:func:`~vime_gemma4_bridge.compat.cuda.on_host`: no CUDA, or gloo ranks beside a GPU they do not own). On a GPU
 (vime's actors) it calls the provider and returns.
 """
 
@@ -14,19 +15,18 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
 from torch import nn
 
-from vime_gemma4_bridge.compat.cuda import host_cuda_device, tensors_stay_on_host
+from vime_gemma4_bridge.compat.cuda import host_cuda_device, on_host, tensors_stay_on_host
 
 
 def provide_model(provider: Any, **kwargs: Any) -> list[nn.Module]:
     """``provider.provide_distributed_model(**kwargs)``, built and runnable on this host.
 
-    Without CUDA the build runs with CPU tensors staying put (``Tensor.cuda`` is the identity) and
+    On the host the build runs with CPU tensors staying put (``Tensor.cuda`` is the identity) and
     ``current_device()`` answering the CPU, and every chunk gets :func:`prepare_host_forward`.
     """
-    if torch.cuda.is_available():
+    if not on_host():
         return provider.provide_distributed_model(**kwargs)
     with tensors_stay_on_host(), host_cuda_device():
         chunks = provider.provide_distributed_model(**kwargs)
@@ -38,9 +38,9 @@ def prepare_host_forward(model: nn.Module) -> nn.Module:
 
     The model's forward runs inside :func:`host_cuda_device` (its core attention is already the
     host twin, :class:`~vime_gemma4_bridge.core.cpu_modules.Gemma4DotProductAttention`, by the spec).
-    Does nothing where CUDA exists, or twice.
+    Does nothing where the ranks own GPUs, or twice.
     """
-    if torch.cuda.is_available() or getattr(model, "_vime_host_forward", False):
+    if not on_host() or getattr(model, "_vime_host_forward", False):
         return model
     forward = model.forward
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vime_gemma4_bridge.compat.cuda import on_host
 from vime_gemma4_bridge.convert.cpu_host import provide_model
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.core.hf_layout import STACKED
@@ -38,7 +39,7 @@ def build_model(bridge: Any, topology: Topology, *, initialize: bool = True) -> 
     for a caller that overwrites every weight next, random initialisation is pure cost (~3 s/GB on
     one core) and touches memory that streamed weights never need.
     """
-    on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    on_gpu = not on_host()
     provider = bridge.to_megatron_provider(load_weights=False)
     provider.perform_initialization = initialize
     provider.tensor_model_parallel_size = topology.tp
