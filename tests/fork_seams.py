@@ -51,7 +51,7 @@ def _clear_seam_cache() -> None:
     from vime_gemma4_bridge.compat import seams
 
     for detector in (
-        seams.export_yields_megatron_names,
+        seams.export_tuple,
         seams.conversion_tasks_take_weight_dtype,
         seams.mappings_keep_pg_collection,
     ):
@@ -273,4 +273,118 @@ def fork_seams() -> Iterator[None]:
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
+        _clear_seam_cache()
+
+
+class HFSourcedWeightTuple(NamedTuple):
+    """The fork's ``HFSourcedWeightTuple`` (``model_bridge.py`` @04c0fd03 L156-181): the third field is a tuple."""
+
+    param_name: str
+    weight: torch.Tensor
+    megatron_param_names: tuple[str, ...]
+
+    @property
+    def megatron_param_name(self) -> str | None:
+        return self.megatron_param_names[0] if len(self.megatron_param_names) == 1 else None
+
+
+@contextlib.contextmanager
+def sourced_export() -> Iterator[None]:
+    """The installed release in the shape of upstream's #6074 as vime's fork holds it at 04c0fd03.
+
+    Read in the fork's ``model_bridge.py`` @04c0fd03b44628fe9fcbe9f218f9a763ca36877a (upstream's
+    ``auto_bridge.py`` at that revision is not stored; #6074 adds the same keyword to
+    ``AutoBridge.export_hf_weights``, which forwards it):
+
+    * ``HFSourcedWeightTuple`` next to a two-field ``HFWeightTuple`` (L108-112, L156-181);
+    * ``stream_weights_megatron_to_hf(..., weight_dtype=None, with_megatron_names=False)`` (L1661-1671):
+      off, the two-field tuples as before; on, every item is an ``HFSourcedWeightTuple`` whose names are
+      ``(task.param_name,)`` for a converted weight (L1867-1897) and, for a grouped-expert export, every
+      expert task the grouped-export hook recorded under that name, in accumulation order
+      (``_grouped_sources``, L1766, L1802-1821: the hook is called with ``grouped_sources=``, a dict
+      when names are asked for, else None).
+
+    The release's stream is the same code without the names (model_bridge.py L1373-1444): the double
+    records the task being exported and hands the hook the fork's keyword.
+    """
+    from megatron.bridge.models.conversion import auto_bridge, model_bridge
+
+    bridge_cls = model_bridge.MegatronModelBridge
+    release_stream = bridge_cls.stream_weights_megatron_to_hf
+    release_tracking = bridge_cls._with_progress_tracking
+    release_export = auto_bridge.AutoBridge.export_hf_weights
+
+    def tracking(self, tasks, description, show_progress=True):
+        for task in release_tracking(self, tasks, description, show_progress):
+            self._fork_current_task = task
+            yield task
+
+    def stream(
+        self,
+        megatron_model,
+        hf_pretrained,
+        cpu=True,
+        show_progress=True,
+        conversion_tasks=None,
+        merge_adapter_weights=True,
+        weight_dtype=None,
+        with_megatron_names=False,
+    ):
+        sources: dict[str, list[str]] | None = {} if with_megatron_names else None
+        hook = type(self)._accumulate_grouped_export
+        self._accumulate_grouped_export = lambda *args: hook(self, *args, grouped_sources=sources)
+        try:
+            items = release_stream(
+                self,
+                megatron_model,
+                hf_pretrained,
+                cpu,
+                show_progress,
+                conversion_tasks,
+                merge_adapter_weights,
+                weight_dtype,
+            )
+            for name, weight in items:
+                if sources is None:
+                    yield model_bridge.HFWeightTuple(name, weight)
+                elif name in sources:
+                    yield HFSourcedWeightTuple(name, weight, tuple(sources.pop(name)))
+                else:
+                    yield HFSourcedWeightTuple(name, weight, (self._fork_current_task.param_name,))
+        finally:
+            del self._accumulate_grouped_export
+
+    def export_hf_weights(
+        self,
+        model,
+        cpu=False,
+        show_progress=True,
+        conversion_tasks=None,
+        merge_adapter_weights=True,
+        weight_dtype=None,
+        with_megatron_names=False,
+    ):
+        return self._model_bridge.stream_weights_megatron_to_hf(
+            model,
+            self.hf_pretrained,
+            cpu=cpu,
+            show_progress=show_progress,
+            conversion_tasks=conversion_tasks,
+            merge_adapter_weights=merge_adapter_weights,
+            weight_dtype=weight_dtype,
+            with_megatron_names=with_megatron_names,
+        )
+
+    model_bridge.HFSourcedWeightTuple = HFSourcedWeightTuple
+    bridge_cls.stream_weights_megatron_to_hf = stream
+    bridge_cls._with_progress_tracking = tracking
+    auto_bridge.AutoBridge.export_hf_weights = export_hf_weights
+    _clear_seam_cache()
+    try:
+        yield
+    finally:
+        del model_bridge.HFSourcedWeightTuple
+        bridge_cls.stream_weights_megatron_to_hf = release_stream
+        bridge_cls._with_progress_tracking = release_tracking
+        auto_bridge.AutoBridge.export_hf_weights = release_export
         _clear_seam_cache()

@@ -473,3 +473,74 @@ def test_expert_hook_takes_the_newest_fork_call(local_world, hf_vl: Path) -> Non
     assert set(result) - {"names"} == experts  # every name yielded has its source
     name = "model.language_model.layers.0.experts.5.gate_proj.weight"
     assert result[name] == ["decoder.layers.0.mlp.experts.linear_fc1.weight1"]  # EP4 of 16: local expert 1
+
+
+def _sourced_export_job(hf_checkpoint: str, topology: Topology, expert_layout: str) -> dict:
+    """``export_hf_weights`` on upstream's #6074 shape (tests/fork_seams.sourced_export), names asked and not.
+
+    ``expert_layout``: the actor's ``VIME_GEMMA4_EXPERT_LAYOUT``, as vime's sync would run under it.
+    """
+    from fork_seams import sourced_export
+    from megatron.bridge import AutoBridge
+
+    import vime_gemma4_bridge  # noqa: F401  (the TE guard, then Megatron-Bridge)
+    from vime_gemma4_bridge.compat import seams
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.live import iter_hf_weights
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+    from vime_gemma4_bridge.core.hf_layout import EXPERT_LAYOUT_ENV
+    from vime_gemma4_bridge.runtime.world import environment
+
+    with sourced_export(), environment({EXPERT_LAYOUT_ENV: expert_layout}):
+        assert seams.export_tuple() == seams.SOURCED
+        init_model_parallel(topology)
+        bridge = AutoBridge.from_hf_pretrained(hf_checkpoint)
+        model = convert.build_model(bridge, topology)
+        bridge.load_hf_weights(model)
+        plain = [(type(item).__name__, len(item)) for item in bridge.export_hf_weights(model, cpu=True)]
+        sourced = [
+            (type(item).__name__, item.param_name, item.weight, item.megatron_param_names, item.megatron_param_name)
+            for item in bridge.export_hf_weights(model, cpu=True, with_megatron_names=True)
+        ]
+        ours = [(h, m) for h, _, m in iter_hf_weights(bridge, model, cpu=True, expert_layout=expert_layout)]
+    return {"plain": plain, "sourced": sourced, "ours": ours}
+
+
+@pytest.mark.parametrize("expert_layout", ["stacked", "per-expert"])
+def test_sourced_export_tuple_names_each_weights_megatron_sources(local_world, hf_vl: Path, expert_layout: str) -> None:
+    """Upstream's ``HFSourcedWeightTuple`` (#6074; the fork @04c0fd03) at TP2·PP2·EP4·ETP1: opt-in, bitwise, sourced.
+
+    Off, the export stays two fields; on, every item carries the local names of the Megatron parameters
+    behind it: one for a converted weight, every contributing expert task of this rank for a stack (EP4
+    of 16 experts: 4), the one expert task for a per-expert tensor. The plugin's own live stream keeps
+    its three fields on this build.
+    """
+    result = local_world(8).run(_sourced_export_job, str(hf_vl), Topology(tp=2, pp=2, ep=4, etp=1), expert_layout)[0]
+    assert result["plain"] and set(result["plain"]) == {("HFWeightTuple", 2)}
+    source = HFCheckpoint(hf_vl)
+    reference = source.load(source.language_model_names())
+    sourced = {name: rest for kind, name, *rest in result["sourced"] if kind == "HFSourcedWeightTuple"}
+    assert len(sourced) == len(result["sourced"]) == len(result["plain"]), "every item sourced, no name twice"
+    experts = {name for name in sourced if ".experts." in name}
+    if expert_layout == "per-expert":
+        assert experts == _per_expert_names(hf_vl)
+        assert set(sourced) - experts == set(reference) - {n for n in reference if ".experts." in n}
+    else:
+        assert set(sourced) == set(reference)
+        for name, tensor in reference.items():
+            assert torch.equal(sourced[name][0], tensor) and sourced[name][0].dtype == tensor.dtype, name
+    for name, (_, names, single) in sourced.items():
+        assert isinstance(names, tuple) and names, name
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            fc = "linear_fc1" if name.endswith("gate_up_proj") else "linear_fc2"
+            layer = name.split(".layers.")[1].split(".")[0]
+            assert names == tuple(f"decoder.layers.{layer}.mlp.experts.{fc}.weight{k}" for k in range(4)), names
+            assert single is None
+        else:
+            assert len(names) == 1 and single == names[0], (name, names)
+    assert sourced["model.language_model.embed_tokens.weight"][1] == ("embedding.word_embeddings.weight",)
+    if expert_layout == "per-expert":
+        assert sourced["model.language_model.layers.0.experts.5.gate_proj.weight"][1] == (
+            "decoder.layers.0.mlp.experts.linear_fc1.weight1",  # EP4 of 16: expert 5 is rank 1's local 1
+        )
+    assert [name for name, _ in result["ours"]] == list(sourced)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fork_seams import fork_seams
+from fork_seams import fork_seams, sourced_export
 
 from vime_gemma4_bridge.compat import seams
 
@@ -25,6 +25,8 @@ FORK = {
     "build_conversion_tasks weight_dtype": False,
     "mappings keep _pg_collection": False,
 }
+#: upstream's #6074 (the fork @04c0fd03): the release's seams but the opt-in sourced tuple.
+SOURCED = {**RELEASE, "build": "sourced export", "export tuple": seams.SOURCED}
 
 
 def test_seams_are_detected_by_feature() -> None:
@@ -33,6 +35,9 @@ def test_seams_are_detected_by_feature() -> None:
     assert seams.describe() == RELEASE
     with fork_seams():
         assert seams.describe() == FORK
+    assert seams.describe() == RELEASE
+    with sourced_export():
+        assert seams.describe() == SOURCED
     assert seams.describe() == RELEASE
 
 
@@ -84,3 +89,10 @@ def test_env_names_versions_and_vime_readiness(capsys) -> None:
     with fork_seams():
         assert cli.main(["env", "--vime"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "env OK: the plugin works here and vime's bridge mode can use it"
+    with sourced_export():
+        assert cli.main(["env", "--vime"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.split() == ["export", "tuple", *seams.SOURCED.split()] for line in out)
+    assert out[-1].startswith(
+        "env FAILED: vime's bridge weight sync unpacks three fields without asking with_megatron_names"
+    )

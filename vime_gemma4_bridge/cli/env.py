@@ -55,10 +55,17 @@ def collect(vime: bool) -> tuple[list[tuple[str, str]], list[str]]:
     problems += _check("Gemma 4 models", rows, _models)
     if te:
         problems += _check("TE modules", rows, lambda: _imports("vime_gemma4_bridge.core.te_modules"))
-    if described["build"] == "vime fork":
+    if described["export tuple"] == seams.THIRD_FIELD:
         rows.append(("vime bridge mode", "ready: export yields (hf_name, tensor, megatron_param_name)"))
     else:
-        why = "vime's bridge weight sync unpacks three fields; this build's export yields two (install vime's fork)"
+        # vime's bridge sync (hf_weight_iterator_bridge.py @40ec17a0) unpacks three fields of
+        # export_hf_weights(model, cpu=False, conversion_tasks=...), which asks for no names.
+        why = (
+            "vime's bridge weight sync unpacks three fields; this build's export yields two (install vime's fork)"
+            if described["export tuple"] == seams.TWO_FIELDS
+            else "vime's bridge weight sync unpacks three fields without asking with_megatron_names; this build "
+            "yields two unless asked, and then a tuple of names third (HFSourcedWeightTuple)"
+        )
         rows.append(("vime bridge mode", f"not with this build: {why}"))
         if vime:
             problems.append(why)

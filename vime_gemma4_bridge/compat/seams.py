@@ -5,8 +5,12 @@ vime's fork (``radixark/Megatron-Bridge@bridge``, read at 1187a604; docs/SEAMS.m
 with where it was read). They differ in ways the plugin must follow, and the branch moves, so each
 difference is detected from the code itself, never from a version string:
 
-* **export tuple** — the release yields ``HFWeightTuple(param_name, weight)``; the fork adds a third
-  field ``megatron_param_name`` (the task's local name), which vime's weight sync unpacks.
+* **export tuple** — three shapes: the release yields ``HFWeightTuple(param_name, weight)``; the fork
+  (1187a604 / d063066b) adds a third field ``megatron_param_name`` (the task's local name), which vime's
+  weight sync unpacks; upstream's #6074, in the fork from 04c0fd03, keeps two fields unless the export
+  is asked ``with_megatron_names=True``, then yields ``HFSourcedWeightTuple(param_name, weight,
+  megatron_param_names)`` (a tuple of local names; its ``megatron_param_name`` property is the one
+  name, or None for zero or several).
 * **build_conversion_tasks** — the release takes ``weight_dtype``; the fork does not.
 * **mapping process groups** — the release keeps the model's process-group collection on every
   mapping (``_pg_collection``); the fork keeps none (its mappings read megatron-core's state).
@@ -18,13 +22,25 @@ import inspect
 from functools import cache
 from typing import Any
 
+#: The export tuple shapes :func:`export_tuple` tells apart (``vime-gemma4 env`` prints the build's).
+TWO_FIELDS = "(hf_name, tensor)"
+THIRD_FIELD = "(hf_name, tensor, megatron_param_name)"
+SOURCED = "(hf_name, tensor); with_megatron_names=True: HFSourcedWeightTuple(hf_name, tensor, megatron_param_names)"
+
 
 @cache
-def export_yields_megatron_names() -> bool:
-    """Whether ``export_hf_weights`` yields ``(hf_name, tensor, megatron_param_name)`` (vime's fork)."""
-    from megatron.bridge.models.conversion.model_bridge import HFWeightTuple
+def export_tuple() -> str:
+    """What ``stream_weights_megatron_to_hf`` yields: :data:`TWO_FIELDS`, :data:`THIRD_FIELD` or :data:`SOURCED`.
 
-    return "megatron_param_name" in HFWeightTuple._fields
+    :data:`SOURCED` where the module has ``HFSourcedWeightTuple`` and the stream takes ``with_megatron_names``
+    (the fork's ``model_bridge.py`` @04c0fd03 L156-181, L1661-1671), else by ``HFWeightTuple``'s fields.
+    """
+    from megatron.bridge.models.conversion import model_bridge
+
+    stream = model_bridge.MegatronModelBridge.stream_weights_megatron_to_hf
+    if hasattr(model_bridge, "HFSourcedWeightTuple") and "with_megatron_names" in inspect.signature(stream).parameters:
+        return SOURCED
+    return THIRD_FIELD if "megatron_param_name" in model_bridge.HFWeightTuple._fields else TWO_FIELDS
 
 
 @cache
@@ -66,17 +82,15 @@ def te_available() -> bool:
 
 
 def build_kind() -> str:
-    """``"release"`` or ``"vime fork"``, as the export tuple tells (the seam vime's bridge mode needs)."""
-    return "vime fork" if export_yields_megatron_names() else "release"
+    """``"release"``, ``"vime fork"`` or ``"sourced export"``, as its export tuple tells."""
+    return {TWO_FIELDS: "release", THIRD_FIELD: "vime fork", SOURCED: "sourced export"}[export_tuple()]
 
 
 def describe() -> dict[str, Any]:
     """Every seam, for ``vime-gemma4 env`` and reports."""
     return {
         "build": build_kind(),
-        "export tuple": (
-            "(hf_name, tensor, megatron_param_name)" if export_yields_megatron_names() else "(hf_name, tensor)"
-        ),
+        "export tuple": export_tuple(),
         "build_conversion_tasks weight_dtype": conversion_tasks_take_weight_dtype(),
         "mappings keep _pg_collection": mappings_keep_pg_collection(),
     }
