@@ -58,6 +58,17 @@ def _clear_seam_cache() -> None:
         detector.cache_clear()
 
 
+def _recording_current_task(release_tracking: Any) -> Any:
+    """The release's task loop, recording on the bridge the task being exported (the fork names items after it)."""
+
+    def tracking(self, tasks, description, show_progress=True):
+        for task in release_tracking(self, tasks, description, show_progress):
+            self._fork_current_task = task
+            yield task
+
+    return tracking
+
+
 @contextlib.contextmanager
 def fork_seams() -> Iterator[None]:
     from megatron.bridge.models.conversion import auto_bridge, model_bridge, param_mapping
@@ -96,10 +107,7 @@ def fork_seams() -> Iterator[None]:
     release_init = mapping_cls.__init__
     release_set_groups = mapping_cls.set_process_groups_from_pg_collection
 
-    def tracking(self, tasks, description, show_progress=True):
-        for task in release_tracking(self, tasks, description, show_progress):
-            self._fork_current_task = task
-            yield task
+    tracking = _recording_current_task(release_tracking)
 
     def stream(
         self, model, hf_pretrained, cpu=True, show_progress=True, conversion_tasks=None, merge_adapter_weights=True
@@ -314,10 +322,7 @@ def sourced_export() -> Iterator[None]:
     release_tracking = bridge_cls._with_progress_tracking
     release_export = auto_bridge.AutoBridge.export_hf_weights
 
-    def tracking(self, tasks, description, show_progress=True):
-        for task in release_tracking(self, tasks, description, show_progress):
-            self._fork_current_task = task
-            yield task
+    tracking = _recording_current_task(release_tracking)
 
     def stream(
         self,
@@ -364,15 +369,16 @@ def sourced_export() -> Iterator[None]:
         weight_dtype=None,
         with_megatron_names=False,
     ):
-        return self._model_bridge.stream_weights_megatron_to_hf(
+        stream = self._model_bridge.stream_weights_megatron_to_hf
+        return stream(
             model,
             self.hf_pretrained,
-            cpu=cpu,
-            show_progress=show_progress,
-            conversion_tasks=conversion_tasks,
-            merge_adapter_weights=merge_adapter_weights,
-            weight_dtype=weight_dtype,
-            with_megatron_names=with_megatron_names,
+            cpu,
+            show_progress,
+            conversion_tasks,
+            merge_adapter_weights,
+            weight_dtype,
+            with_megatron_names,
         )
 
     model_bridge.HFSourcedWeightTuple = HFSourcedWeightTuple
