@@ -188,20 +188,29 @@ def test_verify_accepts_a_dtype_or_shape_change_as_mismatch(hf_vl: Path, tmp_pat
 
 
 def _vime_sync_job(
-    hf_checkpoint: str, topology: Topology, dump: str, buffer_size: int, expert_layout: str | None = None
+    hf_checkpoint: str,
+    topology: Topology,
+    dump: str,
+    buffer_size: int,
+    expert_layout: str | None = None,
+    rollout_checkpoint: str | None = None,
 ) -> dict | None:
     """One vime weight sync (tests/vime_flow.py) on every rank, on vime's fork seams (tests/fork_seams.py).
 
     ``expert_layout``: the actor's ``VIME_GEMMA4_EXPERT_LAYOUT`` (vime's zero-edit switch), set for this job only.
+    ``rollout_checkpoint``: vime's ``--hf-checkpoint`` when it is not the trained weights' checkpoint (an
+    FP8 one for FP8 rollouts): the bridge is opened on it, the model loaded from ``hf_checkpoint``.
     """
     from vime_gemma4_bridge.core.hf_layout import EXPERT_LAYOUT_ENV
     from vime_gemma4_bridge.runtime.world import environment
 
     with environment({EXPERT_LAYOUT_ENV: expert_layout} if expert_layout is not None else {}):
-        return _vime_sync(hf_checkpoint, topology, dump, buffer_size)
+        return _vime_sync(hf_checkpoint, topology, dump, buffer_size, rollout_checkpoint or hf_checkpoint)
 
 
-def _vime_sync(hf_checkpoint: str, topology: Topology, dump: str, buffer_size: int) -> dict | None:
+def _vime_sync(
+    hf_checkpoint: str, topology: Topology, dump: str, buffer_size: int, rollout_checkpoint: str
+) -> dict | None:
     import torch.distributed as dist
     from fork_seams import fork_seams
     from megatron.bridge import AutoBridge
@@ -214,9 +223,9 @@ def _vime_sync(hf_checkpoint: str, topology: Topology, dump: str, buffer_size: i
     with fork_seams():
         assert seams.build_kind() == "vime fork"
         vime_gemma4_bridge.init_model_parallel(topology)
-        bridge = AutoBridge.from_hf_pretrained(hf_checkpoint, trust_remote_code=True)
+        bridge = AutoBridge.from_hf_pretrained(rollout_checkpoint, trust_remote_code=True)
         model = vime_gemma4_bridge.build_model(bridge, topology)
-        bridge.load_hf_weights(model)
+        AutoBridge.from_hf_pretrained(hf_checkpoint).load_hf_weights(model)
         task_names = {task.param_name for task in bridge.get_conversion_tasks(model) if task is not None}
         buffers = {name for chunk in model for name, _ in persistent_buffers(chunk)}
         stream = sync_weights(bridge, model, buffer_size)
@@ -224,7 +233,7 @@ def _vime_sync(hf_checkpoint: str, topology: Topology, dump: str, buffer_size: i
             for _ in stream:
                 pass
             return None
-        written = write_disk_update(stream, hf_checkpoint, Path(dump))
+        written = write_disk_update(stream, rollout_checkpoint, Path(dump))
         return {"tensors": written, "buffer_tasks": sorted(task_names & buffers)}
 
 
@@ -544,3 +553,88 @@ def test_sourced_export_tuple_names_each_weights_megatron_sources(local_world, h
             "decoder.layers.0.mlp.experts.linear_fc1.weight1",  # EP4 of 16: expert 5 is rank 1's local 1
         )
     assert [name for name, _ in result["ours"]] == list(sourced)
+
+
+def _fp8_rollout_checkpoint(hf: Path, out: Path) -> Path:
+    """``hf`` in block FP8 as ``export --quantize fp8`` writes it: the checkpoint vLLM serves FP8 rollouts from.
+
+    Per-expert FP8 pairs (``NAME`` e4m3, ``NAME_scale_inv``), the towers and norms as they are, and the
+    config's ``quantization_config`` (convert/fp8.py).
+    """
+    from vime_gemma4_bridge.convert.fp8 import config_fields, quantize_stream
+    from vime_gemma4_bridge.core.hf_layout import STACK_NAME, split_expert
+
+    source = HFCheckpoint(hf)
+    language_model = []
+    for name, tensor in source.load(source.language_model_names()).items():
+        if STACK_NAME.match(name):
+            language_model += [(n, t, "") for e, piece in enumerate(tensor) for n, t in split_expert(name, e, piece)]
+        else:
+            language_model.append((name, tensor, ""))
+    tensors = {name: tensor.contiguous() for name, tensor, _ in quantize_stream(language_model)}
+    tensors.update(source.load([n for n in source.names() if n not in set(source.language_model_names())]))
+    out.mkdir(parents=True)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    for side in hf.iterdir():
+        if side.is_file() and not side.name.endswith(".safetensors") and side.name != "config.json":
+            (out / side.name).write_bytes(side.read_bytes())
+    config = json.loads((hf / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **config_fields(source)}, indent=2))
+    return out
+
+
+def test_vime_fp8_rollout_sync_is_the_rollout_checkpoint(local_world, hf_vl: Path, tmp_path: Path) -> None:
+    """vime's FP8 rollouts in bridge mode (issue 34, item 1), through vime's processors, TP2·PP2·EP4·ETP1, fork double.
+
+    vime opens the bridge on its FP8 ``--hf-checkpoint`` and hands each export item to
+    ``postprocess_hf_param`` and ``quantize_params`` (tests/vime_flow.py), whose FP8 quantizer never sees
+    a name it acts on: the bridge itself sends every weight in the format that checkpoint stores. The
+    dump is the rollout checkpoint's language model, byte for byte (FP8 weights, scales, bf16 rest).
+    """
+    rollout = _fp8_rollout_checkpoint(hf_vl, tmp_path / "fp8")
+    dump = tmp_path / "weight_v000001"
+    topology = Topology(tp=2, pp=2, ep=4, etp=1)
+    result = local_world(8).run(_vime_sync_job, str(hf_vl), topology, str(dump), 60_000, None, str(rollout))[0]
+    served, pushed = HFCheckpoint(rollout), HFCheckpoint(dump)
+    assert result["tensors"] == len(pushed.names())
+    assert sorted(pushed.names()) == sorted(served.language_model_names())
+    expected, got = served.load(served.language_model_names()), pushed.load(pushed.names())
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    assert any(t.dtype == torch.float8_e4m3fn for t in got.values())
+
+
+def _fp8_rollout_release_job(hf_checkpoint: str, rollout_checkpoint: str, topology: Topology) -> dict:
+    """The release's two-field export on a bridge opened on the FP8 rollout checkpoint; and a save's stream."""
+    from megatron.bridge import AutoBridge
+
+    import vime_gemma4_bridge
+    from vime_gemma4_bridge.compat import seams
+
+    vime_gemma4_bridge.init_model_parallel(topology)
+    bridge = AutoBridge.from_hf_pretrained(rollout_checkpoint)
+    model = vime_gemma4_bridge.build_model(bridge, topology)
+    AutoBridge.from_hf_pretrained(hf_checkpoint).load_hf_weights(model)
+    live = [  # as bytes: float8 tensors do not travel back from a rank (torch's pickling of their storage)
+        (type(item).__name__, item[0], str(item[1].dtype), item[1].contiguous().view(torch.uint8))
+        for item in bridge.export_hf_weights(model, cpu=True)
+    ]
+    saved = seams.model_bridge_of(bridge).in_checkpoint_layout(bridge.export_hf_weights(model, cpu=True))
+    return {"live": live, "saved": [(name, str(tensor.dtype)) for name, tensor in saved]}
+
+
+def test_fp8_rollout_on_the_release_and_only_for_the_live_sync(local_world, hf_vl: Path, tmp_path: Path) -> None:
+    """The release's export is the rollout checkpoint's FP8 too; a save of the same bridge keeps bf16 stacks."""
+    rollout = _fp8_rollout_checkpoint(hf_vl, tmp_path / "fp8")
+    result = local_world(8).run(_fp8_rollout_release_job, str(hf_vl), str(rollout), Topology(ep=2))[0]
+    served = HFCheckpoint(rollout)
+    expected = served.load(served.language_model_names())
+    assert {kind for kind, *_ in result["live"]} == {"HFWeightTuple"}
+    assert sorted(name for _, name, *_ in result["live"]) == sorted(expected)
+    for _, name, dtype, data in result["live"]:
+        assert dtype == str(expected[name].dtype) and torch.equal(data, expected[name].view(torch.uint8)), name
+    source = HFCheckpoint(hf_vl)
+    assert sorted(result["saved"]) == sorted(
+        (n, str(t.dtype)) for n, t in source.load(source.language_model_names()).items()
+    )

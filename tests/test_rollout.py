@@ -355,3 +355,54 @@ def test_vllm_block_misfits_name_what_vllm_refuses() -> None:
     shapes[layer + "experts.gate_up_proj"] = [128, 1536, 2816]
     shapes[layer + "mlp.gate_proj.weight"] = [2048, 2816]
     assert vllm_block_misfits(shapes) == []
+
+
+def test_rollout_checkpoint_decides_which_weights_the_live_sync_sends_in_fp8() -> None:
+    """core/block_fp8.rollout_block_fp8_weights: the checkpoint's own ``_scale_inv`` tensors, under its fp8 config."""
+    from types import SimpleNamespace
+
+    from vime_gemma4_bridge.core.block_fp8 import rollout_block_fp8_weights
+
+    def opened_on(quantization: dict | None, keys: list[str]) -> SimpleNamespace:
+        config = SimpleNamespace(quantization_config=quantization)
+        return SimpleNamespace(config=config, state=SimpleNamespace(source=SimpleNamespace(get_all_keys=lambda: keys)))
+
+    keys = [P + "layers.0.self_attn.q_proj.weight", P + "layers.0.self_attn.q_proj.weight" + SCALE_SUFFIX]
+    keys += [P + "norm.weight"]
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
+    assert rollout_block_fp8_weights(opened_on(fp8, keys)) == {P + "layers.0.self_attn.q_proj.weight"}
+    assert rollout_block_fp8_weights(opened_on(None, keys)) == frozenset()  # a bf16 rollout checkpoint
+    assert rollout_block_fp8_weights(opened_on({"quant_method": "compressed-tensors"}, keys)) == frozenset()
+    with pytest.raises(ValueError, match=r"weight_block_size is \[64, 64\]: the live sync quantizes in \[128, 128\]"):
+        rollout_block_fp8_weights(opened_on({**fp8, "weight_block_size": [64, 64]}, keys))
+    with pytest.raises(ValueError, match="weight_block_size is None"):  # per-tensor FP8
+        rollout_block_fp8_weights(opened_on({**fp8, "weight_block_size": None}, keys))
+
+
+def test_live_sync_in_the_rollout_checkpoints_fp8_keeps_tuples_and_names_what_stays(capsys) -> None:
+    """core/block_fp8.as_rollout_checkpoint_stores: the build's tuple type and fields kept, one line on what stayed."""
+    from typing import NamedTuple
+
+    from vime_gemma4_bridge.core.block_fp8 import as_rollout_checkpoint_stores
+
+    class Item(NamedTuple):  # a build's export tuple, with a third field
+        param_name: str
+        weight: torch.Tensor
+        megatron_param_name: str
+
+    q_proj, router = P + "layers.0.self_attn.q_proj.weight", P + "layers.0.router.proj.weight"
+    weight = torch.randn(130, 64)
+    stream = [Item(q_proj, weight, "decoder.layers.0.self_attention.linear_qkv.weight"), Item(router, weight, "r")]
+    out = list(as_rollout_checkpoint_stores(frozenset({q_proj}), stream))
+    assert [(type(i), i.param_name, i.megatron_param_name) for i in out] == [
+        (Item, q_proj, "decoder.layers.0.self_attention.linear_qkv.weight"),
+        (Item, q_proj + SCALE_SUFFIX, "decoder.layers.0.self_attention.linear_qkv.weight"),
+        (Item, router, "r"),
+    ]
+    q, scale_inv = quantize_block_fp8(weight)
+    assert torch.equal(out[0].weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(out[1].weight, scale_inv)
+    assert out[2].weight is weight
+    assert capsys.readouterr().err.splitlines() == [
+        "Gemma 4 live sync in the rollout checkpoint's block FP8: 1 weight(s) in FP8; 2-D weights as trained, "
+        "as it stores them: model.language_model.layers.<n>.router.proj.weight"
+    ]

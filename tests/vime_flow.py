@@ -10,7 +10,8 @@ What vime does at every weight sync with ``--megatron-to-hf-mode bridge`` (vllm-
 3. ``bridge.get_conversion_tasks(model)``; every task with a ``param_weight`` replaced
    (``dataclasses.replace``) by the dict's tensor, which must be there (an ``assert``), lazily, behind
    a wrapper that has ``__len__`` and ``__iter__`` but is not a list;
-4. ``for hf_name, weight, megatron_name in bridge.export_hf_weights(model, cpu=False, conversion_tasks=...)``;
+4. ``for hf_name, weight, megatron_name in bridge.export_hf_weights(model, cpu=False, conversion_tasks=...)``,
+   each through vime's ``postprocess_hf_param`` and ``quantize_params`` (its FP8 rollouts);
 5. chunks: a bucket is closed when its size plus the next tensor's would reach the buffer size (``>=``);
 6. disk transport on rank 0 (``update_weight_from_disk.py`` @03a8e1bf): the non-weight files copied
    into the version directory, each chunk one ``model-XXXXX.safetensors`` (a name seen twice is an
@@ -24,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -85,14 +87,54 @@ def chunks(named: Iterable[tuple[str, torch.Tensor]], size: int) -> Iterator[lis
         yield bucket
 
 
+def strip_module_prefixes(name: str) -> str:
+    """vime's ``misc_utils.strip_param_name_prefix``: every leading ``module.`` removed."""
+    while name.startswith("module."):
+        name = name.removeprefix("module.")
+    return name
+
+
+def postprocess_hf_param(megatron_name: str, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """vime's ``postprocess_hf_param`` (``megatron_to_hf/__init__.py`` @33679863) = ``remove_padding``
+    (``processors/padding_remover.py`` @40ec17a0): ``[:vocab_size]`` for exactly two stripped names."""
+    if strip_module_prefixes(megatron_name) in {"embedding.word_embeddings.weight", "output_layer.weight"}:
+        return weight[:vocab_size]
+    return weight
+
+
+#: ``quantizer_fp8.py`` @0696c9bd: the Megatron names its FP8 quantizer acts on (decoder layers, then MTP).
+VIME_FP8_LAYER_NAMES = (r"module\.module\.decoder\.layers\.(\d+)\.(.+)", r"module\.module\.mtp\.layers\.(\d+)\.(.+)")
+
+
+def quantize_params(megatron_name: str, named: list, quantization_config: dict | None) -> list:
+    """vime's ``quantize_params`` (``processors/__init__.py`` @5d429bd) into ``quantize_params_fp8`` (@0696c9bd).
+
+    Without a config, or for a name neither pattern matches, the pairs pass through unchanged (its
+    L16-27); a matching name would be quantized with vime's Triton kernel, which cannot run here: the
+    double raises, so a test shows which names vime itself would touch.
+    """
+    if quantization_config is None or quantization_config["quant_method"] != "fp8":
+        return named
+    assert quantization_config.get("fmt", "e4m3") == "e4m3" and quantization_config["activation_scheme"] == "dynamic"
+    if any(re.match(pattern, megatron_name) for pattern in VIME_FP8_LAYER_NAMES):
+        raise AssertionError(f"vime's own FP8 quantizer would act on {megatron_name} (its Triton kernel)")
+    return named
+
+
 def sync_weights(bridge: Any, model: list[torch.nn.Module], buffer_size: int) -> Iterator[list]:
-    """One weight sync, steps 2-5: the chunks every rank produces."""
+    """One weight sync, steps 2-5: the chunks every rank produces, through vime's processors
+    (``hf_weight_iterator_bridge.py`` @40ec17a0: ``postprocess_hf_param``, then ``quantize_params`` with
+    the quantization config of ``--hf-checkpoint``, the checkpoint the bridge was opened on)."""
     tasks = replace_task_weights(bridge.get_conversion_tasks(model), weight_dict(model))
+    config = bridge.hf_pretrained.config
+    vocab_size = getattr(config, "text_config", config).vocab_size
+    quantization_config = getattr(config, "quantization_config", None)
 
     def named() -> Iterator[tuple[str, torch.Tensor]]:
         for hf_name, weight, megatron_name in bridge.export_hf_weights(model, cpu=False, conversion_tasks=tasks):
             assert isinstance(megatron_name, str) and megatron_name, f"{hf_name}: no megatron_param_name"
-            yield hf_name, weight
+            weight = postprocess_hf_param(megatron_name, weight, vocab_size)
+            yield from quantize_params(megatron_name, [(hf_name, weight)], quantization_config)
 
     yield from chunks(named(), buffer_size)
 

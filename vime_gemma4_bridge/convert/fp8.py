@@ -1,11 +1,6 @@
-"""Block FP8 weights for rollout engines: the DeepSeek-V3 / Qwen3-FP8 layout that vLLM's FP8 method loads.
+"""Block FP8 exports for rollout engines: the layout of :mod:`vime_gemma4_bridge.core.block_fp8`, which vLLM loads.
 
-Training stays bf16; the rollout engine can serve FP8. A weight ``NAME`` [rows, cols] becomes
-``NAME`` in ``float8_e4m3fn`` plus ``NAME_scale_inv`` in float32 of shape
-[ceil(rows/128), ceil(cols/128)]: each 128×128 block is divided by its scale, ``block amax / 448``
-(448 is e4m3's largest finite value), so that ``q * scale_inv`` gives the weight back within e4m3
-rounding. An all-zero block gets scale 1 (its values are exact either way, and no consumer divides
-by zero).
+Training stays bf16; the rollout engine can serve FP8.
 
 What is quantized: the linear projections a rollout engine runs as FP8 GEMMs — attention q/k/v/o,
 the dense MLP's gate/up/down (the MoE's shared MLP too) and every routed expert's gate/up/down, in
@@ -27,6 +22,7 @@ from typing import Any
 
 import torch
 
+from vime_gemma4_bridge.core.block_fp8 import BLOCK, FP8_DTYPE, FP8_MAX, SCALE_SUFFIX, quantize_block_fp8
 from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX, STACK_NAME, STACK_PROJECTIONS, per_expert_name
 from vime_gemma4_bridge.io.hf import LazyTensor, NamedTensor
 
@@ -47,11 +43,6 @@ __all__ = [
     "vllm_block_misfits",
     "quantized_checkpoint",
 ]
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-BLOCK = 128
-SCALE_SUFFIX = "_scale_inv"
 
 #: HF names of the weights that are quantized: the language model's (a tower's layers are not).
 QUANTIZED = re.compile(
@@ -74,28 +65,6 @@ def check_quantize(quantize: str | None) -> str | None:
 def is_quantized(hf_name: str) -> bool:
     """Whether ``hf_name`` is one of the weights FP8 export quantizes."""
     return QUANTIZED.match(hf_name) is not None
-
-
-def quantize_block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale_inv)`` of a 2-D weight: 128×128 blocks, ``scale_inv = block amax / 448``, ``q`` e4m3."""
-    if weight.ndim != 2:
-        raise ValueError(f"block FP8 quantizes 2-D weights, got shape {tuple(weight.shape)}")
-    rows, cols = weight.shape
-    col_blocks = math.ceil(cols / BLOCK)
-    padded = col_blocks * BLOCK
-    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=weight.device)
-    scale_inv = torch.empty((math.ceil(rows / BLOCK), col_blocks), dtype=torch.float32, device=weight.device)
-    band = torch.zeros((BLOCK, padded), dtype=torch.float32, device=weight.device)
-    for index, start in enumerate(range(0, rows, BLOCK)):
-        height = min(BLOCK, rows - start)
-        view = band[:height]
-        view[:, :cols].copy_(weight[start : start + height])
-        amax = view.view(height, col_blocks, BLOCK).abs().amax(dim=(0, 2))
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        scale_inv[index] = scale
-        view.view(height, col_blocks, BLOCK).div_(scale[None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
-        q[start : start + height] = view[:, :cols].to(FP8_DTYPE)
-    return q, scale_inv
 
 
 def dequantize_block_fp8(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

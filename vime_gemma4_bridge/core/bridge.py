@@ -43,6 +43,7 @@ from vime_gemma4_bridge.compat.mappings import (
     RowParallel,
     RowParallelFusedExpertMapping,
 )
+from vime_gemma4_bridge.core.block_fp8 import as_rollout_checkpoint_stores, rollout_block_fp8_weights
 from vime_gemma4_bridge.core.hf_layout import (
     EXPERT_LAYOUT_ENV,
     LANGUAGE_MODEL_PREFIX,
@@ -52,6 +53,7 @@ from vime_gemma4_bridge.core.hf_layout import (
     check_expert_layout,
     global_kv_heads,
     split_expert,
+    stack_of,
     ties_embeddings,
 )
 from vime_gemma4_bridge.core.layer_pattern import FULL, SLIDING, pattern_from_layer_types
@@ -179,8 +181,7 @@ _EXPERT_LAYOUT: ContextVar[str | None] = ContextVar("vime_gemma4_expert_layout",
 
 def expert_layout() -> str:
     """The expert layout now: :func:`exporting_experts`' inside one, else the environment's, else stacked."""
-    layout = _EXPERT_LAYOUT.get()
-    return layout or check_expert_layout(os.environ.get(EXPERT_LAYOUT_ENV) or STACKED, EXPERT_LAYOUT_ENV)
+    return _EXPERT_LAYOUT.get() or check_expert_layout(os.environ.get(EXPERT_LAYOUT_ENV) or STACKED, EXPERT_LAYOUT_ENV)
 
 
 @contextlib.contextmanager
@@ -392,7 +393,7 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
 
         With the caller's own conversion tasks (vime's weight sync) the export reads only their
         weights, so the check, which reads the model's, is skipped (core/tied.py says why). The
-        stream is the language model (:meth:`converts_hf_tensor`).
+        stream is the language model (:meth:`converts_hf_tensor`), in block FP8 where the checkpoint stores it so.
         """
         arguments = inspect.signature(super().stream_weights_megatron_to_hf).bind(
             megatron_model, hf_pretrained, *args, **kwargs
@@ -400,9 +401,14 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
         return self._checked_stream(arguments.arguments.get("conversion_tasks") is None, arguments)
 
     def _checked_stream(self, check: bool, arguments: inspect.BoundArguments):
+        # vime's live sync only: a save, round trip or export sets the layout (exporting_experts)
+        fp8 = rollout_block_fp8_weights(arguments.args[1]) if _EXPERT_LAYOUT.get() is None else frozenset()
         if check:
             check_tied_embeddings(arguments.args[0])
-        yield from super().stream_weights_megatron_to_hf(*arguments.args, **arguments.kwargs)
+        stream = super().stream_weights_megatron_to_hf(*arguments.args, **arguments.kwargs)
+        if any(stack_of(name) for name in fp8):  # the experts as the rollout checkpoint stores them
+            stream = in_expert_layout(PER_EXPERT, stream)
+        yield from as_rollout_checkpoint_stores(fp8, stream) if fp8 else stream
 
     def in_checkpoint_layout(self, stream: Iterable[Any]) -> Iterator[Any]:
         """``stream`` with the routed experts stacked, as an HF checkpoint stores them, whatever
