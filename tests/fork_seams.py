@@ -27,7 +27,10 @@ installed here, so :func:`fork_seams` patches the installed 0.6.2 release, for t
    without ``weight_dtype`` into ``SafeTensorsStateSource.save_generator``, whose loop reads each item
    by attribute (``item.param_name, item.weight``: a plain ``(name, tensor)`` pair fails) and which,
    strict or not, only *prints* "N tensors from the original checkpoint were not written" (the
-   release raises): the shards it could not complete are silently missing.
+   release raises): the shards it could not complete are silently missing, and the index it still
+   writes lists the saved keys only. It saves tensors as they come (no ``.contiguous()``: safetensors
+   refuses a view), and its distributed save without an index builds ``dict(generator)`` (two-field
+   items only). :func:`fork_save_generator` is that file's code in our words; the release's is not used.
 7. **the tied alias by literal name** — the fork's export yields ``lm_head.weight`` after exactly
    ``model.embed_tokens.weight`` when the source checkpoint holds an ``lm_head.weight``.
 
@@ -38,6 +41,7 @@ shared rank process can run release and fork cases one after the other.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -56,6 +60,101 @@ def _clear_seam_cache() -> None:
         seams.mappings_keep_pg_collection,
     ):
         detector.cache_clear()
+
+
+def fork_save_generator(source: Any, generator: Any, output_path: Any, strict: bool) -> None:
+    """``SafeTensorsStateSource.save_generator`` as the fork's ``hf_pretrained/state.py`` @d063066b writes it.
+
+    Read there (non-distributed path): only rank 0 writes, the others drain the stream; each item is read
+    by attribute (``item.param_name, item.weight``); a shard is ``save_file``'d as soon as all its keys
+    arrived, **without** ``.contiguous()`` (safetensors refuses a non-contiguous tensor); without an
+    index in the source, everything goes to one ``model.safetensors``; a name the source lacks raises
+    ``KeyError`` when strict (else is skipped); shards left incomplete are only **printed** ("could not
+    be saved because the generator did not yield all of their tensors", then "Error: N tensors from the
+    original checkpoint were not written"), and the index is still written, with **only the saved keys**
+    (and the source index's metadata). The release makes tensors contiguous and raises instead.
+    """
+    from collections import defaultdict
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        for _ in generator:
+            pass
+        return
+    output_path = Path(output_path)
+    output_path.mkdir(parents=True, exist_ok=True)
+    key_to_file = source.key_to_filename_map
+    buffered: dict[str, torch.Tensor] = {}
+    if not key_to_file:
+        for item in generator:
+            buffered[item.param_name] = item.weight
+        if buffered:
+            save_file(buffered, output_path / "model.safetensors")
+        return
+    pending: dict[str, set[str]] = defaultdict(set)
+    for key, file in key_to_file.items():
+        pending[file].add(key)
+    yielded: set[str] = set()
+    saved: set[str] = set()
+    for item in generator:
+        name, tensor = item.param_name, item.weight
+        yielded.add(name)
+        if name not in key_to_file:
+            if strict:
+                raise KeyError(
+                    f"Tensor '{name}' from generator not found in the original model structure. "
+                    "To ignore, set strict=False."
+                )
+            print(f"Warning: tensor '{name}' from generator not found in original model structure. Skipping.")
+            continue
+        buffered[name] = tensor
+        for file in [file for file, keys in pending.items() if keys <= buffered.keys()]:
+            save_file({key: buffered.pop(key) for key in pending[file]}, output_path / file)
+            saved |= pending.pop(file)
+    if pending:
+        print(
+            "Warning: The following files could not be saved because the generator did not yield all of their tensors:"
+        )
+        if not strict:
+            for file, keys in pending.items():
+                save_file({key: buffered.pop(key) for key in keys if key in buffered}, output_path / file)
+                saved |= keys
+    unsaved = set(key_to_file) - saved
+    if unsaved:
+        print(
+            f"\nError: {len(unsaved)} tensors from the original checkpoint were not written. "
+            "See warnings above for details."
+        )
+    index = source.path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = {key: key_to_file[key] for key in saved}
+        if weight_map:
+            metadata = json.loads(index.read_text()).get("metadata", {})
+            (output_path / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=4)
+            )
+
+
+def save_generator_distributed(source: Any, generator: Any, output_path: Any) -> None:
+    """The fork's ``_save_generator_distributed`` (state.py @d063066b), its no-index fallback only: the
+    saver of index 0 builds ``dict(generator)``, which takes two-field items alone (a three-field
+    ``HFWeightTuple`` raises "dictionary update sequence element #0 has length 3; 2 is required")."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    if source.key_to_filename_map:
+        raise NotImplementedError("the double reproduces the fork's distributed save without an index only")
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # the saver of index 0
+        Path(output_path).mkdir(parents=True, exist_ok=True)
+        buffered = dict(generator)
+        if buffered:
+            save_file(buffered, Path(output_path) / "model.safetensors")
+    else:
+        for _ in generator:
+            pass
 
 
 def _recording_current_task(release_tracking: Any) -> Any:
@@ -138,8 +237,6 @@ def fork_seams() -> Iterator[None]:
             merge_adapter_weights=merge_adapter_weights,
         )
 
-    release_save_generator = state.SafeTensorsStateSource.save_generator
-
     def save_hf_weights(
         self,
         model,
@@ -190,13 +287,9 @@ def fork_seams() -> Iterator[None]:
         )
 
     def save_generator(self, generator, output_path, strict=True, distributed_save=False, save_every_n_ranks=1):
-        pairs = ((item.param_name, item.weight) for item in generator)
-        try:
-            release_save_generator(self, pairs, output_path, strict, distributed_save, save_every_n_ranks)
-        except RuntimeError as error:
-            if "were not written" not in str(error):
-                raise
-            print(f"Error: {error}")
+        if distributed_save:
+            return save_generator_distributed(self, generator, output_path)
+        return fork_save_generator(self, generator, output_path, strict)
 
     def build_conversion_tasks(self, hf_pretrained, megatron_model):
         return release_build(self, hf_pretrained, megatron_model)

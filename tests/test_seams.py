@@ -96,3 +96,58 @@ def test_env_names_versions_and_vime_readiness(capsys) -> None:
     assert out[-1].startswith(
         "env FAILED: vime's bridge weight sync unpacks three fields without asking with_megatron_names"
     )
+
+
+def _sharded_source(root) -> object:
+    """A two-shard source checkpoint with an index, as Megatron-Bridge's state source reads it."""
+    import json
+
+    from megatron.bridge.models.hf_pretrained.state import SafeTensorsStateSource
+    from safetensors.torch import save_file
+
+    root.mkdir()
+    save_file({"a": torch.zeros(2, 2)}, root / "model-00001-of-00002.safetensors")
+    save_file({"b": torch.zeros(2, 2), "c": torch.zeros(2)}, root / "model-00002-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    weight_map["c"] = "model-00002-of-00002.safetensors"
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 40}, "weight_map": weight_map})
+    )
+    return SafeTensorsStateSource(root)
+
+
+def test_fork_double_saves_as_the_forks_state_py(tmp_path, capsys) -> None:
+    """The double's ``save_generator`` does what the fork's ``hf_pretrained/state.py`` @d063066b does, not the release.
+
+    Read there: ``save_file(tensors_to_save, output_file_path)`` with no ``.contiguous()``; incomplete
+    shards only printed ("Error: N tensors from the original checkpoint were not written") and the index
+    still written from ``all_saved_keys``; ``_save_generator_distributed``'s no-index fallback
+    ``buffered_tensors = dict(generator)``.
+    """
+    import json
+
+    from megatron.bridge.models.conversion.model_bridge import HFWeightTuple
+
+    source = _sharded_source(tmp_path / "src")
+    strided = torch.arange(8.0).view(2, 4)[:, ::2]  # a view: not contiguous
+    with fork_seams():
+        from megatron.bridge.models.conversion.model_bridge import HFWeightTuple as ForkTuple
+
+        with pytest.raises(Exception, match="non contiguous"):
+            source.save_generator(iter([ForkTuple("a", strided)]), tmp_path / "fork-strided")
+        source.save_generator(iter([ForkTuple("a", torch.ones(2, 2))]), tmp_path / "fork-partial")
+        assert "Error: 2 tensors from the original checkpoint were not written" in capsys.readouterr().out
+        index = json.loads((tmp_path / "fork-partial" / "model.safetensors.index.json").read_text())
+        assert index == {"metadata": {"total_size": 40}, "weight_map": {"a": "model-00001-of-00002.safetensors"}}
+        (tmp_path / "no-shards").mkdir()  # a source without shards or index: the fallback path
+        single = type(source)(tmp_path / "no-shards")
+        with pytest.raises(ValueError, match="has length 3; 2 is required"):
+            single.save_generator(iter([ForkTuple("a", torch.ones(1), "m")]), tmp_path / "dist", distributed_save=True)
+    # the release: contiguous copies, and an incomplete save raises before any index is written
+    source.save_generator(
+        iter([HFWeightTuple("a", strided), HFWeightTuple("b", strided), HFWeightTuple("c", torch.ones(2))]),
+        tmp_path / "release",
+    )
+    with pytest.raises(RuntimeError, match="were not written"):
+        source.save_generator(iter([HFWeightTuple("a", torch.ones(2, 2))]), tmp_path / "release-partial")
+    assert not (tmp_path / "release-partial" / "model.safetensors.index.json").exists()
