@@ -169,7 +169,12 @@ def _recording_current_task(release_tracking: Any) -> Any:
 
 
 @contextlib.contextmanager
-def fork_seams() -> Iterator[None]:
+def fork_seams(revision: str = "1187a604") -> Iterator[None]:
+    """The fork's shape; ``revision`` picks its ``model_bridge.py``: at 1187a604 a grouped-expert export's
+    third field is the local name of the expert task that completed it, at d063066b ``None`` (its grouped
+    branch builds ``HFWeightTuple(hf_name, tensor)`` with two arguments)."""
+    if revision not in ("1187a604", "d063066b"):
+        raise ValueError(f"no fork double for model_bridge.py @{revision}")
     from megatron.bridge.models.conversion import auto_bridge, model_bridge, param_mapping
     from megatron.bridge.models.hf_pretrained import state
 
@@ -215,7 +220,9 @@ def fork_seams() -> Iterator[None]:
             self, model, hf_pretrained, cpu, show_progress, conversion_tasks, merge_adapter_weights
         ):
             # the release builds its tuples with the module's HFWeightTuple, patched here: take two fields
-            task_name = self._fork_current_task.param_name
+            task = self._fork_current_task
+            grouped = getattr(task.mapping, "is_grouped_export", False)
+            task_name = None if grouped and revision == "d063066b" else task.param_name
             yield ForkHFWeightTuple(item[0], item[1], task_name)
             source = getattr(getattr(hf_pretrained, "state", None), "source", None)
             if (

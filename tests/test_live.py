@@ -194,22 +194,24 @@ def _vime_sync_job(
     buffer_size: int,
     expert_layout: str | None = None,
     rollout_checkpoint: str | None = None,
+    revision: str = "1187a604",
 ) -> dict | None:
     """One vime weight sync (tests/vime_flow.py) on every rank, on vime's fork seams (tests/fork_seams.py).
 
     ``expert_layout``: the actor's ``VIME_GEMMA4_EXPERT_LAYOUT`` (vime's zero-edit switch), set for this job only.
     ``rollout_checkpoint``: vime's ``--hf-checkpoint`` when it is not the trained weights' checkpoint (an
     FP8 one for FP8 rollouts): the bridge is opened on it, the model loaded from ``hf_checkpoint``.
+    ``revision``: the fork's ``model_bridge.py`` the double follows (tests/fork_seams.fork_seams).
     """
     from vime_gemma4_bridge.core.hf_layout import EXPERT_LAYOUT_ENV
     from vime_gemma4_bridge.runtime.world import environment
 
     with environment({EXPERT_LAYOUT_ENV: expert_layout} if expert_layout is not None else {}):
-        return _vime_sync(hf_checkpoint, topology, dump, buffer_size, rollout_checkpoint or hf_checkpoint)
+        return _vime_sync(hf_checkpoint, topology, dump, buffer_size, rollout_checkpoint or hf_checkpoint, revision)
 
 
 def _vime_sync(
-    hf_checkpoint: str, topology: Topology, dump: str, buffer_size: int, rollout_checkpoint: str
+    hf_checkpoint: str, topology: Topology, dump: str, buffer_size: int, rollout_checkpoint: str, revision: str
 ) -> dict | None:
     import torch.distributed as dist
     from fork_seams import fork_seams
@@ -220,7 +222,7 @@ def _vime_sync(
     import vime_gemma4_bridge
     from vime_gemma4_bridge.compat import seams
 
-    with fork_seams():
+    with fork_seams(revision):
         assert seams.build_kind() == "vime fork"
         vime_gemma4_bridge.init_model_parallel(topology)
         bridge = AutoBridge.from_hf_pretrained(rollout_checkpoint, trust_remote_code=True)
@@ -228,13 +230,14 @@ def _vime_sync(
         AutoBridge.from_hf_pretrained(hf_checkpoint).load_hf_weights(model)
         task_names = {task.param_name for task in bridge.get_conversion_tasks(model) if task is not None}
         buffers = {name for chunk in model for name, _ in persistent_buffers(chunk)}
-        stream = sync_weights(bridge, model, buffer_size)
+        unnamed: list[str] = []
+        stream = sync_weights(bridge, model, buffer_size, unnamed)
         if dist.get_rank() != 0:
             for _ in stream:
                 pass
             return None
         written = write_disk_update(stream, rollout_checkpoint, Path(dump))
-        return {"tensors": written, "buffer_tasks": sorted(task_names & buffers)}
+        return {"tensors": written, "buffer_tasks": sorted(task_names & buffers), "unnamed": unnamed}
 
 
 def _logits(model_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
@@ -255,6 +258,7 @@ def test_vime_weight_sync_contract(local_world, hf_vl: Path, tmp_path: Path, top
     dump = tmp_path / "weight_v000001"
     result = local_world(8).run(_vime_sync_job, str(hf_vl), topology, str(dump), buffer_size)[0]
     assert result["buffer_tasks"] == [], "a persistent buffer is a conversion task"
+    assert result["unnamed"] == [], "at 1187a604 every item names its Megatron parameter"
     source = HFCheckpoint(hf_vl)
     assert result["tensors"] == len(source.language_model_names())
     check_dump(dump, hf_vl, buffer_size)
@@ -638,3 +642,57 @@ def test_fp8_rollout_on_the_release_and_only_for_the_live_sync(local_world, hf_v
     assert sorted(result["saved"]) == sorted(
         (n, str(t.dtype)) for n, t in source.load(source.language_model_names()).items()
     )
+
+
+def _grouped_names_job(hf_checkpoint: str, topology: Topology) -> dict[str, list]:
+    """The fork double @d063066b's own stream (Megatron-Bridge's class method) and the plugin's export: third fields."""
+    from fork_seams import fork_seams
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+
+    import vime_gemma4_bridge
+    from vime_gemma4_bridge.compat import seams
+
+    with fork_seams("d063066b"):
+        vime_gemma4_bridge.init_model_parallel(topology)
+        bridge = AutoBridge.from_hf_pretrained(hf_checkpoint)
+        model = vime_gemma4_bridge.build_model(bridge, topology)
+        bridge.load_hf_weights(model)
+        fork = MegatronModelBridge.stream_weights_megatron_to_hf(
+            seams.model_bridge_of(bridge), model, bridge.hf_pretrained
+        )
+        return {
+            "fork": [(item[0], item[2]) for item in fork],
+            "plugin": [(item[0], item[2]) for item in bridge.export_hf_weights(model, cpu=True)],
+        }
+
+
+def test_vime_sync_on_the_fork_at_d063066b(local_world, hf_vl: Path, tmp_path: Path) -> None:
+    """The fork's ``model_bridge.py`` @d063066b yields grouped experts with ``megatron_param_name=None``.
+
+    Its grouped branch builds ``HFWeightTuple(hf_name, tensor)`` with two arguments; vime's FP8 quantizer
+    ``re.match``es that ``None`` (``TypeError``). The plugin's export fills in the expert task that completed
+    the stack, as 1187a604 does (UPSTREAM 51), so vime's bf16 sync and its FP8 rollouts both run there.
+    """
+    topology = Topology(tp=2, pp=2, ep=4, etp=1)
+    names = local_world(8).run(_grouped_names_job, str(hf_vl), topology)[0]
+    stacks = {
+        n
+        for n in HFCheckpoint(hf_vl).language_model_names()
+        if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    }
+    assert {name for name, megatron in names["fork"] if megatron is None} == stacks
+    plugin = dict(names["plugin"])
+    assert all(plugin.values()) and plugin.keys() == dict(names["fork"]).keys()
+    assert (
+        plugin["model.language_model.layers.0.experts.down_proj"] == "decoder.layers.0.mlp.experts.linear_fc2.weight3"
+    )
+    dump = tmp_path / "bf16"
+    result = local_world(8).run(_vime_sync_job, str(hf_vl), topology, str(dump), 60_000, None, None, "d063066b")[0]
+    assert result["unnamed"] == []
+    check_dump(dump, hf_vl, 60_000)
+    rollout = _fp8_rollout_checkpoint(hf_vl, tmp_path / "fp8")
+    fp8 = tmp_path / "fp8-sync"
+    result = local_world(8).run(_vime_sync_job, str(hf_vl), topology, str(fp8), 60_000, None, str(rollout), "d063066b")
+    served, pushed = HFCheckpoint(rollout), HFCheckpoint(fp8)
+    assert result[0]["unnamed"] == [] and sorted(pushed.names()) == sorted(served.language_model_names())

@@ -87,8 +87,11 @@ def chunks(named: Iterable[tuple[str, torch.Tensor]], size: int) -> Iterator[lis
         yield bucket
 
 
-def strip_module_prefixes(name: str) -> str:
-    """vime's ``misc_utils.strip_param_name_prefix``: every leading ``module.`` removed."""
+def strip_module_prefixes(name: str | None) -> str | None:
+    """vime's ``misc_utils.strip_param_name_prefix`` (its newest stored form): every leading ``module.``
+    removed; ``None`` stays ``None``."""
+    if name is None:
+        return None
     while name.startswith("module."):
         name = name.removeprefix("module.")
     return name
@@ -106,12 +109,13 @@ def postprocess_hf_param(megatron_name: str, weight: torch.Tensor, vocab_size: i
 VIME_FP8_LAYER_NAMES = (r"module\.module\.decoder\.layers\.(\d+)\.(.+)", r"module\.module\.mtp\.layers\.(\d+)\.(.+)")
 
 
-def quantize_params(megatron_name: str, named: list, quantization_config: dict | None) -> list:
+def quantize_params(megatron_name: str | None, named: list, quantization_config: dict | None) -> list:
     """vime's ``quantize_params`` (``processors/__init__.py`` @5d429bd) into ``quantize_params_fp8`` (@0696c9bd).
 
     Without a config, or for a name neither pattern matches, the pairs pass through unchanged (its
     L16-27); a matching name would be quantized with vime's Triton kernel, which cannot run here: the
-    double raises, so a test shows which names vime itself would touch.
+    double raises, so a test shows which names vime itself would touch. A ``None`` name meets vime's
+    ``re.match`` as it would there (``TypeError``).
     """
     if quantization_config is None or quantization_config["quant_method"] != "fp8":
         return named
@@ -121,10 +125,14 @@ def quantize_params(megatron_name: str, named: list, quantization_config: dict |
     return named
 
 
-def sync_weights(bridge: Any, model: list[torch.nn.Module], buffer_size: int) -> Iterator[list]:
+def sync_weights(
+    bridge: Any, model: list[torch.nn.Module], buffer_size: int, unnamed: list[str] | None = None
+) -> Iterator[list]:
     """One weight sync, steps 2-5: the chunks every rank produces, through vime's processors
     (``hf_weight_iterator_bridge.py`` @40ec17a0: ``postprocess_hf_param``, then ``quantize_params`` with
-    the quantization config of ``--hf-checkpoint``, the checkpoint the bridge was opened on)."""
+    the quantization config of ``--hf-checkpoint``, the checkpoint the bridge was opened on). The HF
+    names whose Megatron name came as ``None`` go to ``unnamed``; vime itself does not look."""
+    unnamed = [] if unnamed is None else unnamed
     tasks = replace_task_weights(bridge.get_conversion_tasks(model), weight_dict(model))
     config = bridge.hf_pretrained.config
     vocab_size = getattr(config, "text_config", config).vocab_size
@@ -132,7 +140,8 @@ def sync_weights(bridge: Any, model: list[torch.nn.Module], buffer_size: int) ->
 
     def named() -> Iterator[tuple[str, torch.Tensor]]:
         for hf_name, weight, megatron_name in bridge.export_hf_weights(model, cpu=False, conversion_tasks=tasks):
-            assert isinstance(megatron_name, str) and megatron_name, f"{hf_name}: no megatron_param_name"
+            if not megatron_name:
+                unnamed.append(hf_name)
             weight = postprocess_hf_param(megatron_name, weight, vocab_size)
             yield from quantize_params(megatron_name, [(hf_name, weight)], quantization_config)
 

@@ -19,6 +19,7 @@ difference is detected from the code itself, never from a version string:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable, Iterator
 from functools import cache
 from typing import Any
 
@@ -79,6 +80,17 @@ def te_available() -> bool:
     from vime_gemma4_bridge.compat import te_guard
 
     return te_guard.te_available()
+
+
+def with_grouped_names(stream: Iterable[Any], bridge: Any) -> Iterator[Any]:
+    """``stream`` with a grouped expert's ``megatron_param_name`` of ``None`` filled in: the fork's
+    ``model_bridge.py`` @d063066b builds those items with two arguments (1187a604: the completing expert
+    task's local name), and vime's FP8 quantizer ``re.match``es every name (UPSTREAM 51). The name is the
+    one the bridge's grouped-export hook last completed a group with (``_grouped_task_name``)."""
+    for item in stream:
+        if "megatron_param_name" in getattr(item, "_fields", ()) and item.megatron_param_name is None:
+            item = item._replace(megatron_param_name=getattr(bridge, "_grouped_task_name", None))
+        yield item
 
 
 def build_kind() -> str:

@@ -238,10 +238,9 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
             raise UnsupportedCheckpoint(UNTIED_REFUSAL)
         text = self._text_config()
         provider = dense_provider(text) if self._is_dense() else moe_provider(text)
-        # Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x TP (megatron-core
-        # splits it evenly over TP). The divisor is Megatron-Bridge's own rule (the largest power of 2
-        # up to 128 that divides the vocabulary: no padding at TP1, none for Gemma 4's 262,144); import
-        # pads with zero rows (upstream's ColumnParallelMapping), export drops them (below).
+        # Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x TP; the divisor is
+        # Megatron-Bridge's rule (the largest power of 2 up to 128 dividing the vocabulary: no padding at
+        # TP1, none for Gemma 4's 262,144); import pads zero rows (ColumnParallelMapping), export drops them.
         provider.make_vocab_size_divisible_by = self.make_vocab_size_divisible_by(text.vocab_size)
         provider.should_pad_vocab = True
         # Keep the checkpoint's dtype: a bf16 copy of an fp32 checkpoint cannot round-trip bitwise.
@@ -337,10 +336,11 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
         is what bounds the live export's memory to a chunk plus one layer's stacked experts. In the
         per-expert layout (:func:`expert_layout`) nothing is kept: each expert gathered is returned
         at once as its per-expert tensors (views of the gathered value), so the export's memory no
-        longer grows with the number of experts. Same placement rule as upstream (the expert's
-        global number; under EP the gathered ``[EP, ...]`` value holds that local expert of every EP
-        rank; UPSTREAM 44). ``grouped_sources`` (vime's fork from 04c0fd03 passes it, docs/SEAMS.md) gets the
-        Megatron name of every expert in each name returned, as upstream records it. A build that
+        longer grows with the number of experts. Same placement rule as upstream (the expert's global
+        number; under EP the gathered ``[EP, ...]`` value holds that local expert of every EP rank;
+        UPSTREAM 44). ``grouped_sources`` (the fork from 04c0fd03 passes it) gets the Megatron name of
+        every expert in each name returned, as upstream records it; the completing task's name is kept
+        for builds that yield none (UPSTREAM 51). A build that
         calls this hook with other arguments, and mappings that transpose on export, keep upstream's path.
         """
         if args or kwargs or getattr(task.mapping, "transpose_on_export", False):
@@ -382,6 +382,7 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
                 entry["filled"].add(slot)
             if len(entry["filled"]) == num_experts:
                 complete[key] = grouped_buffers.pop(key)["stack"]
+        self._grouped_task_name = task.param_name if complete else None
         return complete or None
 
     def _broadcast_shared_embeddings(self, megatron_model: Any) -> None:
@@ -405,16 +406,15 @@ class Gemma4LanguageModelBridge(MegatronModelBridge):
         fp8 = rollout_block_fp8_weights(arguments.args[1]) if _EXPERT_LAYOUT.get() is None else frozenset()
         if check:
             check_tied_embeddings(arguments.args[0])
-        stream = super().stream_weights_megatron_to_hf(*arguments.args, **arguments.kwargs)
+        items = super().stream_weights_megatron_to_hf(*arguments.args, **arguments.kwargs)
+        stream = seams.with_grouped_names(items, self)
         if any(stack_of(name) for name in fp8):  # the experts as the rollout checkpoint stores them
             stream = in_expert_layout(PER_EXPERT, stream)
         yield from as_rollout_checkpoint_stores(fp8, stream) if fp8 else stream
 
     def in_checkpoint_layout(self, stream: Iterable[Any]) -> Iterator[Any]:
-        """``stream`` with the routed experts stacked, as an HF checkpoint stores them, whatever
-        ``VIME_GEMMA4_EXPERT_LAYOUT`` says: that variable switches vime's live weight sync alone, and a
-        save writes a checkpoint. The hook every HF save applies (``compat/hf_save.complete_saves_of``).
-        """
+        """``stream`` with the experts stacked, as a checkpoint stores them, whatever ``VIME_GEMMA4_EXPERT_LAYOUT``
+        (vime's live sync's switch) says: the hook every HF save applies (``compat/hf_save.complete_saves_of``)."""
         return in_expert_layout(STACKED, stream)
 
     def converts_hf_tensor(self, hf_name: str) -> bool:
