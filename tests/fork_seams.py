@@ -31,7 +31,11 @@ installed here, so :func:`fork_seams` patches the installed 0.6.2 release, for t
    writes lists the saved keys only. It saves tensors as they come (no ``.contiguous()``: safetensors
    refuses a view), and its distributed save without an index builds ``dict(generator)`` (two-field
    items only). :func:`fork_save_generator` is that file's code in our words; the release's is not used.
-7. **the tied alias by literal name** — the fork's export yields ``lm_head.weight`` after exactly
+7. **expert gathering at EP1** — the fork's ``MegatronParamMapping.gather_from_ep_ranks``
+   (``param_mapping.py`` @d063066b) lacks the release's ``if self.ep_size == 1`` return: it broadcasts
+   the experts per rank over PP, all-gathers over the one-rank EP group, and ``.squeeze()``s every
+   size-1 dimension of the weight.
+8. **the tied alias by literal name** — the fork's export yields ``lm_head.weight`` after exactly
    ``model.embed_tokens.weight`` when the source checkpoint holds an ``lm_head.weight``.
 
 Everything is restored on exit, and the plugin's cached seam detection is cleared both ways, so a
@@ -194,6 +198,7 @@ def fork_seams(revision: str = "1187a604") -> Iterator[None]:
         (mapping_cls, "set_process_groups_from_pg_collection", mapping_cls.set_process_groups_from_pg_collection),
         (param_mapping.AutoMapping, "_get_or_create_mapping", param_mapping.AutoMapping._get_or_create_mapping),
         (param_mapping.AutoMapping, "_detect_parallelism_type", param_mapping.AutoMapping._detect_parallelism_type),
+        (mapping_cls, "gather_from_ep_ranks", mapping_cls.gather_from_ep_ranks),
         (bridge_cls, "_broadcast_shared_embeddings", bridge_cls._broadcast_shared_embeddings),
     ]
 
@@ -338,6 +343,22 @@ def fork_seams(revision: str = "1187a604") -> Iterator[None]:
             return module.parallel_mode if module.parallel_mode in ("column", "row") else "replicated"
         raise ValueError(f"Cannot determine parallelism type for module '{module_type}' at '{self.megatron_param}'")
 
+    release_gather = mapping_cls.gather_from_ep_ranks
+
+    def gather_from_ep_ranks(self, megatron_weights, megatron_module, hf_param_name):
+        if self.ep_size != 1:  # the same code as the release's from here on
+            return release_gather(self, megatron_weights, megatron_module, hf_param_name)
+        # param_mapping.py @d063066b has no `if self.ep_size == 1: return` (the release's first statement):
+        # the PP broadcast of experts-per-rank, a one-rank all_gather, unsqueeze(0) then .squeeze()
+        if megatron_module is None:
+            self.broadcast_obj_from_pp_rank(None, "num_experts_per_rank")
+        else:
+            num_experts = self._get_config(megatron_module).num_moe_experts
+            self.broadcast_obj_from_pp_rank(num_experts // self.ep_size, "num_experts_per_rank")
+        gathered = [torch.empty_like(megatron_weights)]
+        torch.distributed.all_gather(gathered, megatron_weights, group=self.ep_group)
+        return {str(hf_param_name): gathered[0].unsqueeze(0).squeeze()}
+
     def broadcast_shared_embeddings(self, megatron_model):
         from megatron.core import parallel_state
         from megatron.core.utils import unwrap_model
@@ -374,6 +395,7 @@ def fork_seams(revision: str = "1187a604") -> Iterator[None]:
     mapping_cls.set_process_groups_from_pg_collection = set_groups
     param_mapping.AutoMapping._get_or_create_mapping = get_or_create_mapping
     param_mapping.AutoMapping._detect_parallelism_type = detect_parallelism_type
+    mapping_cls.gather_from_ep_ranks = gather_from_ep_ranks
     bridge_cls._broadcast_shared_embeddings = broadcast_shared_embeddings
     _clear_seam_cache()
     try:

@@ -201,6 +201,31 @@ def test_fork_roundtrip_two_ranks(local_world, checkpoints, topology: Topology) 
     )
 
 
+def _ep1_gather_job() -> dict[str, list[int]]:
+    """``gather_from_ep_ranks`` at EP1 on a ``[1, 3]`` expert weight: the release's, then the fork double's."""
+    from types import SimpleNamespace
+
+    from megatron.bridge.models.conversion.param_mapping import ColumnParallelMapping
+
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+
+    init_model_parallel(Topology(tp=2))
+    module = SimpleNamespace(config=SimpleNamespace(num_moe_experts=4))
+    shapes = {}
+    for build in ("release", "fork"):
+        with _build(build):
+            mapping = ColumnParallelMapping("decoder.layers.0.mlp.experts.linear_fc1.weight0", "m.experts.0.w")
+            (weight,) = mapping.gather_from_ep_ranks(torch.ones(1, 3), module, "m.experts.0.w").values()
+            shapes[build] = list(weight.shape)
+    return shapes
+
+
+def test_fork_double_gathers_experts_at_ep1_as_param_mapping_py(local_world) -> None:
+    """The fork's ``gather_from_ep_ranks`` (``param_mapping.py`` @d063066b) has no EP=1 return and ``.squeeze()``s:
+    a size-1 dimension of an expert weight is lost there, kept by the release (its first statement returns)."""
+    assert local_world(2).run(_ep1_gather_job) == [{"release": [1, 3], "fork": [3]}] * 2
+
+
 def test_fork_double_tied_broadcast_fails_at_vpp(local_world, checkpoints) -> None:
     results = local_world(2).run(_fork_tied_broadcast_job, str(checkpoints["vl"]))
     assert results == ["first stage", "Output layer not found"], results
