@@ -31,6 +31,8 @@ installed here, so :func:`fork_seams` patches the installed 0.6.2 release, for t
    writes lists the saved keys only. It saves tensors as they come (no ``.contiguous()``: safetensors
    refuses a view), and its distributed save without an index builds ``dict(generator)`` (two-field
    items only). :func:`fork_save_generator` is that file's code in our words; the release's is not used.
+   A bridge without a safetensors source (config-only) takes ``save_hf_weights``' own path, which
+   unpacks two fields (:func:`save_config_only_shards`).
 7. **expert gathering at EP1** — the fork's ``MegatronParamMapping.gather_from_ep_ranks``
    (``param_mapping.py`` @d063066b) lacks the release's ``if self.ep_size == 1`` return: it broadcasts
    the experts per rank over PP, all-gathers over the one-rank EP group, and ``.squeeze()``s every
@@ -139,6 +141,24 @@ def fork_save_generator(source: Any, generator: Any, output_path: Any, strict: b
             (output_path / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=4)
             )
+
+
+def save_config_only_shards(state_dict: dict[str, torch.Tensor], path: Any) -> None:
+    """The fork's config-only save (``auto_bridge.py`` @d063066b ``save_hf_weights``): huggingface_hub's shard
+    plan, one ``save_file`` per shard, an index when sharded. Its state dict is built with ``for name, tensor in
+    generator``, so a three-field ``HFWeightTuple`` stops it ("too many values to unpack")."""
+    from pathlib import Path
+
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    plan = split_torch_state_dict_into_shards(state_dict)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    for filename, names in plan.filename_to_tensors.items():
+        save_file({name: state_dict[name] for name in names}, Path(path) / filename)
+    if plan.is_sharded:
+        index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
+        (Path(path) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def save_generator_distributed(source: Any, generator: Any, output_path: Any) -> None:
@@ -268,9 +288,17 @@ def fork_seams(revision: str = "1187a604") -> Iterator[None]:
             show_progress=show_progress,
             merge_adapter_weights=merge_adapter_weights,
         )
-        self.hf_pretrained.state.source.save_generator(
-            generator, path, strict=strict, distributed_save=distributed_save, save_every_n_ranks=save_every_n_ranks
-        )
+        source = getattr(getattr(self.hf_pretrained, "state", None), "source", None)
+        if isinstance(source, state.SafeTensorsStateSource):
+            source.save_generator(
+                generator, path, strict=strict, distributed_save=distributed_save, save_every_n_ranks=save_every_n_ranks
+            )
+        else:  # the config-only path (auto_bridge.py @d063066b, save_hf_weights): two-field unpack on rank 0
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                save_config_only_shards({name: tensor.contiguous().cpu() for name, tensor in generator}, path)
+            else:
+                for _ in generator:
+                    pass
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
 

@@ -127,6 +127,33 @@ def test_save_hf_pretrained_one_rank(local_world, checkpoints, tmp_path: Path, b
     assert_saved(results, checkpoints[checkpoint], out)
 
 
+def _config_only_save_job(hf_checkpoint: str, out: str) -> str:
+    """The fork's ``save_hf_weights`` on a config-only bridge (``hf_pretrained`` a ``PretrainedConfig``)."""
+    from megatron.bridge import AutoBridge
+
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+
+    with fork_seams():
+        init_model_parallel(Topology())
+        bridge = AutoBridge.from_hf_pretrained(hf_checkpoint)
+        model = convert.build_model(bridge, Topology())
+        bridge.load_hf_weights(model)
+        bridge.hf_pretrained = bridge.hf_pretrained.config
+        try:
+            bridge.save_hf_weights(model, out)
+        except ValueError as error:
+            return str(error)
+        return "saved"
+
+
+def test_fork_double_config_only_save_unpacks_two_fields(local_world, checkpoints, tmp_path: Path) -> None:
+    """``auto_bridge.py`` @d063066b ``save_hf_weights``, config-only branch: ``{name: tensor.contiguous().cpu() for
+    name, tensor in generator}`` meets the fork's own three-field tuples (one rank: the others would wait for it)."""
+    results = local_world(1).run(_config_only_save_job, str(checkpoints["vl"]), str(tmp_path / "out"))
+    assert results == ["too many values to unpack (expected 2)"], results
+
+
 def _per_expert_actor_job(job: str, hf_checkpoint: str, topology: Topology, build: str, out: str) -> object:
     """``job`` (vime's save, or the round trip) with vime's live-sync switch in the actor's environment."""
     from vime_gemma4_bridge.core.hf_layout import EXPERT_LAYOUT_ENV, PER_EXPERT
