@@ -37,8 +37,13 @@ installed here, so :func:`fork_seams` patches the installed 0.6.2 release, for t
    (``param_mapping.py`` @d063066b) lacks the release's ``if self.ep_size == 1`` return: it broadcasts
    the experts per rank over PP, all-gathers over the one-rank EP group, and ``.squeeze()``s every
    size-1 dimension of the weight.
-8. **the tied alias by literal name** — the fork's export yields ``lm_head.weight`` after exactly
-   ``model.embed_tokens.weight`` when the source checkpoint holds an ``lm_head.weight``.
+8. **the tied alias by literal name** — the fork's export (``model_bridge.py`` @1187a604 and @d063066b,
+   "TODO(yuya): fix this hard coded naming"), when the model's config says the embeddings are tied,
+   yields ``lm_head.weight`` after exactly ``model.embed_tokens.weight`` if the source checkpoint holds
+   an ``lm_head.weight``, and *always* for a config-only bridge (``hf_pretrained`` a ``PretrainedConfig``:
+   "Always emit lm_head.weight for config-only"). Its ``ValueError`` on an ``lm_head.weight`` of the
+   model's own while tied is not reproduced: no Gemma 4 mapping yields that name. (The release aliases
+   by the bridge's ``output_layer`` mapping, which Gemma 4's tied bridge does not have: never.)
 
 Everything is restored on exit, and the plugin's cached seam detection is cleared both ways, so a
 shared rank process can run release and fork cases one after the other.
@@ -52,6 +57,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
+import transformers
 
 #: The only fused norm + column linear classes the fork's parallelism detection recognises (exact names).
 FORK_FUSED_NORM_LINEARS = ("TELayerNormColumnParallelLinear", "InferenceLayerNormColumnParallelLinear")
@@ -201,6 +207,7 @@ def fork_seams(revision: str = "1187a604") -> Iterator[None]:
         raise ValueError(f"no fork double for model_bridge.py @{revision}")
     from megatron.bridge.models.conversion import auto_bridge, model_bridge, param_mapping
     from megatron.bridge.models.hf_pretrained import state
+    from megatron.core.utils import unwrap_model
 
     release_tuple = model_bridge.HFWeightTuple
     bridge_cls = model_bridge.MegatronModelBridge
@@ -241,6 +248,8 @@ def fork_seams(revision: str = "1187a604") -> Iterator[None]:
     def stream(
         self, model, hf_pretrained, cpu=True, show_progress=True, conversion_tasks=None, merge_adapter_weights=True
     ):
+        chunks = unwrap_model(model if isinstance(model, list) else [model])
+        tied = self._share_embeddings_and_output_weights(chunks[0].config)
         for item in release_stream(
             self, model, hf_pretrained, cpu, show_progress, conversion_tasks, merge_adapter_weights
         ):
@@ -249,12 +258,14 @@ def fork_seams(revision: str = "1187a604") -> Iterator[None]:
             grouped = getattr(task.mapping, "is_grouped_export", False)
             task_name = None if grouped and revision == "d063066b" else task.param_name
             yield ForkHFWeightTuple(item[0], item[1], task_name)
+            if not (tied and item[0] == "model.embed_tokens.weight"):
+                continue
             source = getattr(getattr(hf_pretrained, "state", None), "source", None)
-            if (
-                item[0] == "model.embed_tokens.weight"
-                and source is not None
-                and "lm_head.weight" in source.get_all_keys()
-            ):
+            if source is not None:
+                alias = "lm_head.weight" in source.get_all_keys()
+            else:  # "Always emit lm_head.weight for config-only"
+                alias = isinstance(hf_pretrained, transformers.PretrainedConfig)
+            if alias:
                 yield ForkHFWeightTuple("lm_head.weight", item[1].clone().detach(), task_name)
 
     def export_hf_weights(

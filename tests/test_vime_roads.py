@@ -154,6 +154,47 @@ def test_fork_double_config_only_save_unpacks_two_fields(local_world, checkpoint
     assert results == ["too many values to unpack (expected 2)"], results
 
 
+def _tied_alias_job(hf_checkpoint: str) -> dict[str, list[str]]:
+    """The fork's export names, from the source and config-only, and whether each alias is the embedding."""
+    from megatron.bridge import AutoBridge
+
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+
+    names: dict[str, list[str]] = {}
+    with fork_seams():
+        init_model_parallel(Topology())
+        bridge = AutoBridge.from_hf_pretrained(hf_checkpoint)
+        model = convert.build_model(bridge, Topology())
+        bridge.load_hf_weights(model)
+        for source in ("checkpoint", "config-only"):
+            if source == "config-only":
+                bridge.hf_pretrained = bridge.hf_pretrained.config
+            items = {name: tensor for name, tensor, _ in bridge.export_hf_weights(model, show_progress=False)}
+            names[source] = list(items)
+            if "lm_head.weight" in items:
+                assert torch.equal(items["lm_head.weight"], items["model.embed_tokens.weight"])
+    return names
+
+
+@pytest.mark.parametrize("checkpoint", ["vl", "causal"])
+def test_fork_double_aliases_lm_head_by_literal_name_config_only(local_world, checkpoints, checkpoint) -> None:
+    """``model_bridge.py`` @1187a604 / @d063066b, tied: after exactly ``model.embed_tokens.weight`` an
+    ``lm_head.weight`` copy when the source holds one (no published Gemma 4 does), always when
+    ``hf_pretrained`` is a ``PretrainedConfig`` ("Always emit lm_head.weight for config-only"). So a
+    config-only export of the CausalLM layout carries the embedding twice; the VL layout's
+    ``model.language_model.embed_tokens.weight`` never matches the literal name. One rank."""
+    [names] = local_world(1).run(_tied_alias_job, str(checkpoints[checkpoint]))
+    language_model = sorted(HFCheckpoint(checkpoints[checkpoint]).language_model_names())
+    assert sorted(names["checkpoint"]) == language_model
+    if checkpoint == "vl":
+        assert names["config-only"] == names["checkpoint"]
+        return
+    embedding = names["checkpoint"].index("model.embed_tokens.weight")
+    expected = names["checkpoint"][: embedding + 1] + ["lm_head.weight"] + names["checkpoint"][embedding + 1 :]
+    assert names["config-only"] == expected
+
+
 def _per_expert_actor_job(job: str, hf_checkpoint: str, topology: Topology, build: str, out: str) -> object:
     """``job`` (vime's save, or the round trip) with vime's live-sync switch in the actor's environment."""
     from vime_gemma4_bridge.core.hf_layout import EXPERT_LAYOUT_ENV, PER_EXPERT
