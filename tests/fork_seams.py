@@ -45,6 +45,11 @@ installed here, so :func:`fork_seams` patches the installed 0.6.2 release, for t
    model's own while tied is not reproduced: no Gemma 4 mapping yields that name. (The release aliases
    by the bridge's ``output_layer`` mapping, which Gemma 4's tied bridge does not have: never.)
 
+9. **the adapter export** — ``peft_bridge.py`` @21018090 ``stream_adapter_weights_megatron_to_hf(megatron_model,
+   cpu, show_progress)`` yields ``HFWeightTuple(hf_name, tensor, megatron_name)``, the third field the
+   adapter's local ``linear_in`` name for ``lora_A`` and ``linear_out`` for ``lora_B``; ``AutoBridge.
+   export_adapter_weights(model, cpu, show_progress)`` (no ``exclude_adapter_base_prefixes``) calls it.
+
 Everything is restored on exit, and the plugin's cached seam detection is cleared both ways, so a
 shared rank process can run release and fork cases one after the other.
 """
@@ -227,6 +232,8 @@ def fork_seams(revision: str = "1187a604") -> Iterator[None]:
         (param_mapping.AutoMapping, "_detect_parallelism_type", param_mapping.AutoMapping._detect_parallelism_type),
         (mapping_cls, "gather_from_ep_ranks", mapping_cls.gather_from_ep_ranks),
         (bridge_cls, "_broadcast_shared_embeddings", bridge_cls._broadcast_shared_embeddings),
+        (bridge_cls, "stream_adapter_weights_megatron_to_hf", bridge_cls.stream_adapter_weights_megatron_to_hf),
+        (auto_bridge.AutoBridge, "export_adapter_weights", auto_bridge.AutoBridge.export_adapter_weights),
     ]
 
     class ForkHFWeightTuple(NamedTuple):
@@ -422,7 +429,20 @@ def fork_seams(revision: str = "1187a604") -> Iterator[None]:
             if hasattr(chunk, "output_layer"):
                 chunk.output_layer.weight.data.copy_(weights)
 
+    release_adapter_stream = bridge_cls.stream_adapter_weights_megatron_to_hf
+
+    def adapter_stream(self, megatron_model, cpu=True, show_progress=True):
+        for item in release_adapter_stream(self, megatron_model, cpu=cpu, show_progress=show_progress):
+            task = self._fork_current_task  # lora_A: the adapter's linear_in, lora_B: its linear_out
+            side = task.linear_in_task if ".lora_A." in item[0] else task.linear_out_task
+            yield ForkHFWeightTuple(item[0], item[1], side.param_name)
+
+    def export_adapter_weights(self, model, cpu=True, show_progress=True):
+        return self._model_bridge.stream_adapter_weights_megatron_to_hf(model, cpu=cpu, show_progress=show_progress)
+
     model_bridge.HFWeightTuple = ForkHFWeightTuple
+    bridge_cls.stream_adapter_weights_megatron_to_hf = adapter_stream
+    auto_bridge.AutoBridge.export_adapter_weights = export_adapter_weights
     bridge_cls.stream_weights_megatron_to_hf = stream
     bridge_cls._with_progress_tracking = tracking
     bridge_cls.build_conversion_tasks = build_conversion_tasks

@@ -27,6 +27,8 @@ _PROBE = textwrap.dedent(
     import megatron.bridge
     from megatron.bridge import AutoBridge
     import megatron.core.extensions.transformer_engine as mte
+    import megatron.bridge.peft.module_matcher as matcher
+    import megatron.bridge.peft.utils as peft_utils
 
     try:
         import transformer_engine  # noqa: F401
@@ -37,6 +39,8 @@ _PROBE = textwrap.dedent(
         "active": active,
         "auto_bridge": AutoBridge.__name__,
         "have_te": mte.HAVE_TE,
+        "peft_have_te": [peft_utils.HAVE_TE, matcher.HAVE_TE],
+        "te_stand_in": type(mte.TELinear).__name__,
         "te_modules": sorted(m for m in sys.modules if m.startswith("transformer_engine")),
         "te_import": te_import,
         "guards": sum(type(f).__name__ == "_GuardFinder" for f in sys.meta_path),
@@ -53,6 +57,8 @@ def test_megatron_bridge_imports_and_megatron_core_still_sees_no_te() -> None:
         "active": True,
         "auto_bridge": "AutoBridge",
         "have_te": False,
+        "peft_have_te": [False, False],  # Megatron-Bridge's own test would say True: megatron-core's stand-ins
+        "te_stand_in": "MagicMock",
         "te_modules": [],
         "te_import": "ModuleNotFoundError",
         "guards": 1,

@@ -242,3 +242,34 @@ def patch_megatron_model(model: list[torch.nn.Module]) -> Iterator[None]:
     finally:
         if added:
             delattr(chunk.config, "share_embeddings_and_output_weights")
+
+
+#: vime's LoRA target translation (``lora_utils.py`` @00ca8b39 ``_MEGATRON_TO_HF_MODULES``).
+MEGATRON_TO_HF_MODULES = {
+    "linear_qkv": ["q_proj", "k_proj", "v_proj"],
+    "linear_proj": ["o_proj"],
+    "linear_fc1": ["gate_proj", "up_proj"],
+    "linear_fc2": ["down_proj"],
+}
+
+
+def save_lora_adapter_for_vllm(bridge: Any, model: list, targets: list[str], rank: int, alpha: int, out: Path) -> None:
+    """vime's ``save_lora_adapter_for_vllm`` (``lora_utils.py`` @00ca8b39): every rank unpacks three fields
+    from ``bridge.export_adapter_weights(model, cpu=False, show_progress=False)``; rank 0 writes
+    ``adapter_model.bin`` (``torch.save``), ``adapter_config.json`` (``build_peft_lora_config``: the Megatron
+    targets turned into HF module names) and a ``STABLE`` marker."""
+    import torch.distributed as dist
+
+    state: dict[str, torch.Tensor] = {}
+    with patch_megatron_model(model):
+        for hf_name, weight, _megatron_name in bridge.export_adapter_weights(model, cpu=False, show_progress=False):
+            state[hf_name] = weight.detach().clone().contiguous().cpu()
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(state, out / "adapter_model.bin")
+        modules = [hf for target in targets for hf in MEGATRON_TO_HF_MODULES.get(target, [target])]
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha}
+        config |= {"lora_dropout": 0.0, "bias": "none", "target_modules": list(dict.fromkeys(modules))}
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        (out / "STABLE").touch()
+    dist.barrier()

@@ -9,8 +9,10 @@ would make it pick TE layer specs and read ``te.__version__``.
 The guard is therefore scoped to the *statements of the listed modules only*: a meta-path
 finder loads each of them with a private ``__import__`` that answers ``transformer_engine``
 imports with an inert placeholder. Nothing is put into ``sys.modules`` under a TE name, so
-every other module (megatron-core included) still gets ``ModuleNotFoundError``. Where TE is
-installed, :func:`install` does nothing.
+every other module (megatron-core included) still gets ``ModuleNotFoundError``. The PEFT modules
+that read megatron-core's TE-less stand-ins as TE get ``HAVE_TE = False`` (``TE_FLAG_READERS``), so a
+LoRA transform takes megatron-core's linears (UPSTREAM 52). Where TE is installed, :func:`install`
+does nothing.
 
 Upstream: NVIDIA-NeMo/Megatron-Bridge issue 3295 (CPU-only conversion); see docs/UPSTREAM.md.
 """
@@ -27,6 +29,11 @@ from typing import Any
 
 #: Megatron-Bridge modules whose top level imports TE without a guard.
 UNGUARDED_TE_IMPORTERS = frozenset({"megatron.bridge.peft.lora_layers"})
+
+#: Megatron-Bridge modules whose ``HAVE_TE`` says True without TE: they test that megatron-core's
+#: ``extensions.transformer_engine`` defines its TE classes, which it does without TE too (``MagicMock``
+#: stand-ins), and a LoRA transform then fails ``isinstance(m, <MagicMock>)`` on every linear.
+TE_FLAG_READERS = frozenset({"megatron.bridge.peft.utils", "megatron.bridge.peft.module_matcher"})
 
 
 class _AbsentTE(type):
@@ -64,13 +71,20 @@ class _GuardedLoader(importlib.machinery.SourceFileLoader):
         super().exec_module(module)
 
 
+class _NoTELoader(importlib.machinery.SourceFileLoader):
+    def exec_module(self, module: ModuleType) -> None:
+        super().exec_module(module)
+        module.HAVE_TE = False
+
+
 class _GuardFinder(importlib.abc.MetaPathFinder):
     def __init__(self) -> None:
         self._searching = False  # re-entrancy guard: we ask the other finders, which may include a guard
 
     def find_spec(self, fullname: str, path=None, target=None):
-        if fullname not in UNGUARDED_TE_IMPORTERS or self._searching:
+        if fullname not in UNGUARDED_TE_IMPORTERS | TE_FLAG_READERS or self._searching:
             return None
+        loader = _GuardedLoader if fullname in UNGUARDED_TE_IMPORTERS else _NoTELoader
         self._searching = True
         try:
             for finder in sys.meta_path:
@@ -78,7 +92,7 @@ class _GuardFinder(importlib.abc.MetaPathFinder):
                     continue
                 spec = finder.find_spec(fullname, path, target)
                 if spec is not None and isinstance(spec.loader, importlib.machinery.SourceFileLoader):
-                    spec.loader = _GuardedLoader(spec.loader.name, spec.loader.path)
+                    spec.loader = loader(spec.loader.name, spec.loader.path)
                     return spec
         finally:
             self._searching = False

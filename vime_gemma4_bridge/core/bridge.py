@@ -7,9 +7,9 @@ classes and conversion tasks). What is Gemma 4's own (each a gap listed in docs/
 * one bridge for ``Gemma4ForCausalLM`` (HF names under ``model.``) and for the language model of
   ``Gemma4ForConditionalGeneration`` (under ``model.language_model.``): the vision/audio towers
   never enter Megatron, and the export streams exactly the HF language-model tensors;
-* both models are this plugin's (:mod:`~vime_gemma4_bridge.core.provider`), with or without TE:
-  the MoE (26B-A4B) and the dense members (E2B, E4B, 31B: :mod:`~vime_gemma4_bridge.core.dense`);
-* attention_k_eq_v: full layers have no ``v_proj`` in HF (V = K on import, dropped on export);
+* both models are this plugin's (:mod:`~vime_gemma4_bridge.core.provider`), with or without TE: the MoE
+  (26B-A4B), the dense members (E2B, E4B, 31B: :mod:`~vime_gemma4_bridge.core.dense`), LoRA (core/lora.py);
+* attention_k_eq_v: full layers have no ``v_proj`` in HF (V = K on import, dropped on export, no LoRA);
 * Megatron weights in the checkpoint's own dtype (a bf16 copy of an fp32 checkpoint is lossy);
 * refusals instead of silent skips: a Megatron parameter without a mapping, a persistent buffer
   that is a conversion task (vime's weight sync reads parameters only), tied copies that diverged.
@@ -57,17 +57,17 @@ from vime_gemma4_bridge.core.hf_layout import (
     ties_embeddings,
 )
 from vime_gemma4_bridge.core.layer_pattern import FULL, SLIDING, pattern_from_layer_types
+from vime_gemma4_bridge.core.lora import Gemma4AdapterExport
 from vime_gemma4_bridge.core.provider import Gemma4DenseTextModelProvider, Gemma4TextModelProvider
 from vime_gemma4_bridge.core.tied import broadcast_tied_embeddings, check_tied_embeddings
 
 MappingTable = tuple[tuple[type, str, str | dict[str, str]], ...]
 
 # ---------------------------------------------------------------------------------------------
-# Both models. Megatron names are relative to the GPTModel; HF names to the language-model
-# prefix; ``*`` is the layer index. A dict HF side fuses several HF tensors into one Megatron
-# tensor. Tied embeddings: ``lm_head`` / ``output_layer`` appear nowhere on purpose (core/tied.py).
-# Every row states its parallelism (column / row / replicated): builds disagree on how
-# ``AutoMapping`` would guess it from a module's class name (compat/mappings.py).
+# Both models. Megatron names are relative to the GPTModel, HF names to the language-model prefix; ``*``
+# is the layer index; a dict HF side fuses HF tensors into one Megatron tensor. Tied embeddings: no
+# ``lm_head`` / ``output_layer`` on purpose (core/tied.py). Each row states its parallelism (column / row /
+# replicated): builds disagree on how ``AutoMapping`` guesses it from a class name (compat/mappings.py).
 # ---------------------------------------------------------------------------------------------
 SHARED_MAPPING_ROWS: MappingTable = (
     (ColumnParallel, "embedding.word_embeddings.weight", "embed_tokens.weight"),
@@ -216,7 +216,7 @@ class UnsupportedCheckpoint(ValueError):
     """The checkpoint is Gemma 4, but not one this plugin (on this Megatron-Bridge build) can convert."""
 
 
-class Gemma4LanguageModelBridge(MegatronModelBridge):
+class Gemma4LanguageModelBridge(Gemma4AdapterExport, MegatronModelBridge):
     """Gemma 4 language-model bridge (MoE and dense) for the CausalLM and the VL checkpoint."""
 
     def _architecture(self) -> str:
@@ -456,7 +456,7 @@ class IncompleteMapping(ValueError):
 
 
 def check_conversion_tasks(tasks: list, megatron_model: list, unwrap_name: Any) -> None:
-    """Every parameter has a task (tied ``output_layer`` aside); no persistent buffer is one.
+    """Every parameter has a task (tied ``output_layer`` and PEFT adapters aside); no persistent buffer is one.
 
     Megatron-Bridge only logs a parameter it cannot map (0.6.2 then fails on the empty task slot,
     the fork skips it: the export silently lacks that weight). A persistent buffer that is a task
@@ -467,7 +467,7 @@ def check_conversion_tasks(tasks: list, megatron_model: list, unwrap_name: Any) 
     for model in megatron_model:
         for raw_name, _ in model.named_parameters():
             name = unwrap_name(raw_name)
-            if name not in mapped and "output_layer" not in name:  # output_layer: tied to the embedding
+            if name not in mapped and "output_layer" not in name and ".adapter." not in name:  # tied; PEFT's own
                 raise IncompleteMapping(f"Megatron parameter {name!r} has no Gemma 4 mapping; the export would drop it")
         for raw_name, _ in persistent_buffers(model):
             name = unwrap_name(raw_name)

@@ -44,9 +44,12 @@ class LayerNormColumnParallelLinear(ColumnParallelLinear):
         self.eps = config.layernorm_epsilon
         self.layer_norm_weight = nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
         self.layer_norm_weight.sequence_parallel = bool(config.sequence_parallel)
+        self.return_layernorm_output = False  # TE's switch: an adapter reads the norm's output (core/lora.py)
 
-    def forward(self, input_: Tensor, **kwargs) -> tuple[Tensor, Tensor | None]:
-        return super().forward(rms_norm(input_, self.layer_norm_weight, self.eps), **kwargs)
+    def forward(self, input_: Tensor, **kwargs) -> tuple[Tensor, Tensor | None] | tuple[tuple[Tensor, Tensor], None]:
+        normed = rms_norm(input_, self.layer_norm_weight, self.eps)
+        output, bias = super().forward(normed, **kwargs)
+        return ((output, normed), bias) if self.return_layernorm_output else (output, bias)
 
 
 class RowParallelLinearLayerNorm(RowParallelLinear):
@@ -61,10 +64,15 @@ class RowParallelLinearLayerNorm(RowParallelLinear):
         super().__init__(input_size, output_size, config=config, **kwargs)
         self.post_layernorm = Gemma4RMSNorm(config, output_size, eps=config.layernorm_epsilon)
 
-    def forward(self, input_: Tensor) -> tuple[Tensor, Tensor | None]:
+    def linear_forward(self, input_: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The linear alone, before the post-norm (where a LoRA adds its output: core/lora.py)."""
         output, bias = super().forward(input_)
         if bias is not None:
             raise ValueError("RowParallelLinearLayerNorm requires add_bias_linear=False (post-norm before bias)")
+        return output, bias
+
+    def forward(self, input_: Tensor) -> tuple[Tensor, Tensor | None]:
+        output, bias = self.linear_forward(input_)
         return self.post_layernorm(output), bias
 
 

@@ -20,6 +20,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.core.dense import CarriedLayout, Gemma4DenseEmbedding
+from vime_gemma4_bridge.core.lora import with_gemma4_adapters
 from vime_gemma4_bridge.core.model import Gemma4LanguageModelEmbedding, Gemma4OutputLayer, Gemma4RotaryEmbedding
 from vime_gemma4_bridge.core.spec import gemma4_block_spec, gemma4_dense_block_spec
 
@@ -104,6 +105,18 @@ class Gemma4TextModelProvider(GPTModelProvider):
 
     #: The class the embedding becomes (the dense model's also computes the per-layer inputs).
     embedding_class = Gemma4LanguageModelEmbedding
+
+    @property
+    def pre_wrap_hook(self) -> Callable[[list], list] | None:
+        """The registered pre-wrap hooks (vime's LoRA among them), then Gemma 4's adapter placement (core/lora.py)."""
+        hooks = super().pre_wrap_hook
+        if hooks is None:
+            return None
+
+        def then_gemma4_adapters(model: list) -> list:
+            return with_gemma4_adapters(hooks(model))
+
+        return then_gemma4_adapters
 
 
 @dataclass

@@ -23,10 +23,15 @@ class TERowParallelLinearLayerNorm(TERowParallelLinear):
         super().__init__(input_size, output_size, config=config, **kwargs)
         self.post_layernorm = Gemma4RMSNorm(config, output_size)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+    def linear_forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The linear alone, before the post-norm (where a LoRA adds its output: core/lora.py)."""
         output, bias = super().forward(x)
         if bias is not None:
             raise ValueError("TERowParallelLinearLayerNorm requires add_bias_linear=False (post-norm before bias)")
+        return output, bias
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        output, bias = self.linear_forward(x)
         return self.post_layernorm(output), bias
 
 

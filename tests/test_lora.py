@@ -1,0 +1,169 @@
+"""LoRA on Gemma 4 through the bridge, driven as vime drives it (``lora_utils.py`` @00ca8b39).
+
+vime builds Megatron-Bridge's ``LoRA`` on ``linear_qkv`` / ``linear_proj`` and applies it as a pre-wrap
+hook of the bridge's provider (``provider.register_pre_wrap_hook``), then exports the adapter with
+``bridge.export_adapter_weights(model, cpu=False, show_progress=False)``. Checked here, with real
+megatron-core and Megatron-Bridge on gloo ranks, at TP2 and PP2:
+
+* the trained forward equals transformers' forward on the merged export (fp32 parity bound): the
+  adapter enters before ``linear_proj``'s post-norm and after ``linear_qkv``'s input norm, as in HF;
+* the merged export equals merging the exported adapter into the source in fp32 on the HF side;
+* adapter names are those HF PEFT and vLLM load: ``q/k/v/o_proj.lora_A/B.weight``, no ``v_proj`` on
+  k_eq_v full layers, each ``lora_B`` split by its own layer's head shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from fork_seams import fork_seams
+from vime_flow import save_lora_adapter_for_vllm
+
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.io.hf import HFCheckpoint, write_hf_checkpoint
+from vime_gemma4_bridge.testing.spec import TinySpec
+from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
+from vime_gemma4_bridge.verify.parity import FLOAT32_MAX_ABS_TOLERANCE, compare_logits, hf_logits
+
+RANK, ALPHA = 4, 8
+TARGETS = ["linear_qkv", "linear_proj"]
+SEQ_LEN, BATCH = 24, 2
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("lora") / "vl", TinySpec(dtype="float32", seed=9))
+
+
+def _trained_lora_model(hf_checkpoint: str, topology: Topology) -> tuple:
+    """vime's model: LoRA as the provider's pre-wrap hook, HF weights, then "trained" adapters."""
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.peft.lora import LoRA
+
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+
+    init_model_parallel(topology)
+    bridge = AutoBridge.from_hf_pretrained(hf_checkpoint)
+    lora = LoRA(target_modules=TARGETS, dim=RANK, alpha=ALPHA)
+    to_provider = bridge.to_megatron_provider
+
+    def provider_with_lora(*args, **kwargs):  # vime's model.py: provider.register_pre_wrap_hook(apply_lora_hook)
+        provider = to_provider(*args, **kwargs)
+        provider.register_pre_wrap_hook(lambda chunks: lora(chunks, training=True))
+        return provider
+
+    bridge.to_megatron_provider = provider_with_lora
+    model = convert.build_model(bridge, topology)
+    bridge.load_hf_weights(model)
+    torch.manual_seed(0)  # "trained" adapters: linear_out starts at zero; the same draw on every rank
+    for chunk in model:
+        for name, parameter in sorted(chunk.named_parameters()):
+            if ".adapter." in name:
+                torch.nn.init.normal_(parameter, std=0.05)
+    return bridge, model
+
+
+def _lora_job(hf_checkpoint: str, topology: Topology, input_ids: torch.Tensor) -> dict | None:
+    """The trained forward's logits and both exports (rank 0)."""
+    from vime_gemma4_bridge.verify.parity import megatron_logits_on_rank0
+
+    bridge, model = _trained_lora_model(hf_checkpoint, topology)
+    logits = megatron_logits_on_rank0(model, input_ids)
+    adapters = {name: tensor.clone() for name, tensor, *_ in bridge.export_adapter_weights(model, show_progress=False)}
+    merged = {name: t.clone() for name, t, *_ in bridge.export_hf_weights(model, cpu=True, show_progress=False)}
+    return {"logits": logits, "adapters": adapters, "merged": merged} if logits is not None else None
+
+
+@pytest.mark.parametrize("topology", [Topology(tp=2), Topology(pp=2)], ids=str)
+def test_vime_lora_trains_what_the_merged_export_and_the_adapter_serve(
+    local_world, checkpoint: Path, tmp_path: Path, topology: Topology
+) -> None:
+    source = HFCheckpoint(checkpoint)
+    text = source.config.get("text_config", source.config)
+    input_ids = torch.randint(0, text["vocab_size"], (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+    [result] = [r for r in local_world(2).run(_lora_job, str(checkpoint), topology, input_ids) if r is not None]
+    prefix = "model.language_model.layers"
+
+    expected_names = set()
+    for layer, kind in enumerate(text["layer_types"]):
+        projections = ["q_proj", "k_proj", "o_proj"] + ([] if kind == "full_attention" else ["v_proj"])
+        expected_names |= {f"{prefix}.{layer}.self_attn.{p}.lora_{s}.weight" for p in projections for s in "AB"}
+    assert set(result["adapters"]) == expected_names
+
+    base = source.load(source.language_model_names())
+    assert set(result["merged"]) == set(base)
+    adapted = {name.replace(".lora_A.weight", ".weight") for name in result["adapters"]}
+    for name, weight in base.items():
+        if name in adapted:  # merged on the HF side, in fp32: W + alpha / r * B @ A
+            a, b = (result["adapters"][name.replace(".weight", f".lora_{s}.weight")] for s in "AB")
+            weight = weight + ALPHA / RANK * (b @ a)
+        assert result["merged"][name].dtype == weight.dtype and torch.equal(result["merged"][name], weight), name
+
+    merged = write_hf_checkpoint(tmp_path / "merged", result["merged"], source)
+    max_abs, _, agreement = compare_logits(
+        result["logits"], hf_logits(str(merged), input_ids, torch.float32), text["vocab_size"]
+    )
+    assert max_abs <= FLOAT32_MAX_ABS_TOLERANCE["moe"] and agreement == 1.0, (max_abs, agreement)
+
+
+def _vime_save_job(hf_checkpoint: str, topology: Topology, build: str, out: str) -> dict | str:
+    """vime's ``save_lora_adapter_for_vllm`` on ``build``; the release's own adapter export to compare with."""
+    bridge, model = _trained_lora_model(hf_checkpoint, topology)
+    reference = {name: tensor for name, tensor, *_ in bridge.export_adapter_weights(model, show_progress=False)}
+    try:
+        with fork_seams() if build == "fork" else contextlib.nullcontext():
+            save_lora_adapter_for_vllm(bridge, model, TARGETS, RANK, ALPHA, Path(out))
+    except ValueError as error:  # every rank fails alike, before any collective of the save
+        return str(error)
+    return reference
+
+
+@pytest.mark.parametrize("build", ["release", "fork"])
+def test_vime_lora_adapter_for_vllm_on_each_build(local_world, checkpoint: Path, tmp_path: Path, build: str) -> None:
+    """vime @00ca8b39 unpacks three fields from ``export_adapter_weights``: the fork's ``peft_bridge.py``
+    @21018090 yields them (its adapter's local Megatron name third) and vime writes exactly the adapter the
+    export streams, at TP2; the release yields two, and vime's loop stops at the first item."""
+    out = tmp_path / "adapter"
+    results = local_world(2).run(_vime_save_job, str(checkpoint), Topology(tp=2), build, str(out))
+    if build == "release":
+        assert results == ["not enough values to unpack (expected 3, got 2)"] * 2
+        assert not out.exists()
+        return
+    saved = torch.load(out / "adapter_model.bin", weights_only=True)
+    assert list(saved) == list(results[0]) and all(torch.equal(saved[n], results[0][n]) for n in saved)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"] and config["r"] == RANK
+    assert (out / "STABLE").is_file()
+
+
+def test_adapters_on_a_post_norm_linear_are_placed_or_refused() -> None:
+    """A plain ``LoRALinear`` around a post-norm linear becomes the post-norm LoRA (twice is once); an input-norm
+    linear returns its norm's output; any other adapter type around a post-norm linear is refused by name."""
+    from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
+    from megatron.bridge.peft.lora_layers import LoRALinear
+
+    from vime_gemma4_bridge.core.lora import PostNormLoRALinear, with_gemma4_adapters
+
+    class PostNorm(torch.nn.Linear):
+        post_layernorm = torch.nn.Identity()
+
+    class InputNorm(torch.nn.Linear):
+        return_layernorm_output = False
+
+    class OtherAdapter(AdapterWrapper):
+        pass
+
+    identity = torch.nn.Identity()
+    chunk = torch.nn.ModuleDict({"proj": LoRALinear(PostNorm(2, 2), identity)})
+    chunk["qkv"] = LoRALinear(InputNorm(2, 2), identity)
+    for _ in range(2):
+        with_gemma4_adapters([chunk])
+        assert type(chunk["proj"]) is PostNormLoRALinear and chunk["qkv"].to_wrap.return_layernorm_output
+    chunk["proj"] = OtherAdapter(PostNorm(2, 2), torch.nn.Identity())
+    with pytest.raises(ValueError, match=r"^proj: Gemma 4 normalises this linear's output .* OtherAdapter there"):
+        with_gemma4_adapters([chunk])

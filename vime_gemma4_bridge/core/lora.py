@@ -1,0 +1,115 @@
+"""LoRA on Gemma 4's fused norms: the adapter enters where Hugging Face's PEFT and vLLM put it.
+
+Gemma 4 keeps two RMSNorms inside its Megatron linears, as Transformer Engine fuses them: the
+input norm in ``linear_qkv`` / a dense ``linear_fc1`` (``layer_norm_weight``) and the
+post-attention norm in ``linear_proj`` (``post_layernorm``). Megatron-Bridge's ``LoRALinear``
+adds the adapter to the wrapped module's *output* and feeds it the module's *input* unless the
+module returns its norm's output (TE's ``return_layernorm_output``, which Megatron-Bridge sets on
+``TELayerNormColumnParallelLinear`` only). So, unfixed, a LoRA on ``linear_proj`` trains
+``post_norm(W x) + B A x`` while Hugging Face, vLLM and the merged export compute
+``post_norm((W + B A) x)``; and on the CPU twins the ``linear_qkv`` adapter reads the un-normalised
+input. :func:`with_gemma4_adapters` corrects both after any adapter transform: the provider runs it
+as its last pre-wrap hook (``Gemma4TextModelProvider.pre_wrap_hook``), which is where vime applies
+LoRA (``provider.register_pre_wrap_hook``). Parameter names and shapes do not change (UPSTREAM 53, 54).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
+from megatron.bridge.peft.lora_layers import LoRALinear
+
+from vime_gemma4_bridge.core.model import attention_config
+
+
+class PostNormLoRALinear(LoRALinear):
+    """``LoRALinear`` around a linear with a post-norm: ``post_layernorm(W x + B A x)``, as HF's ``o_proj`` LoRA."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        output, bias = self.to_wrap.linear_forward(x)
+        if self._adapter_enabled:
+            output = output + self.adapter_forward(self.adapter, x.contiguous(), *args, **kwargs).reshape(output.shape)
+        return self.to_wrap.post_layernorm(output), bias
+
+
+def with_gemma4_adapters(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """``model`` with every adapter placed as Hugging Face places it (in place; idempotent).
+
+    A plain ``LoRALinear`` around a post-norm linear becomes :class:`PostNormLoRALinear`; an input-norm
+    linear under any adapter returns its norm's output, so the adapter reads what the linear reads.
+    Any other adapter type around a post-norm linear is refused: its merge would not be what it trained.
+    """
+    for chunk in model:
+        for name, module in chunk.named_modules():
+            if not isinstance(module, AdapterWrapper):
+                continue
+            wrapped = module.to_wrap
+            if hasattr(wrapped, "post_layernorm"):
+                if type(module) is LoRALinear:
+                    module.__class__ = PostNormLoRALinear
+                elif type(module) is not PostNormLoRALinear:
+                    raise ValueError(
+                        f"{name}: Gemma 4 normalises this linear's output (post_layernorm), so a "
+                        f"{type(module).__name__} there cannot compute what its merge exports; use LoRA or exclude it"
+                    )
+            elif hasattr(wrapped, "return_layernorm_output"):
+                wrapped.return_layernorm_output = True
+    return model
+
+
+class Gemma4AdapterExport:
+    """Bridge mixin: a fused QKV adapter's ``lora_B`` split by its layer's own attention shape.
+
+    Megatron-Bridge splits it with the model-wide config, in the adapter export and in the merged
+    export (upstream's own Gemma 4 bridge guesses global layers from the tensor's size), and merges
+    unsplit when a layer has no ``v_proj``. Full layers have their own head dim and KV heads
+    (:func:`~vime_gemma4_bridge.core.model.attention_config`); a k_eq_v full layer's V is its K (the
+    model reads no V rows: ``Gemma4SelfAttention.value_is_key``), so its ``v_proj`` adapter is left out
+    of the stream (release 0.6.2 and the fork's ``peft_bridge.py`` @21018090 alike: the latter has no
+    ``ABSENT_PROJECTION`` to say so inside its loop).
+    """
+
+    def _qkv_slices(self, megatron_model: list, layer: int, linear_out: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``linear_out``'s rows for ``q_proj`` / ``k_proj`` / ``v_proj`` of HF layer ``layer`` (0-based)."""
+        from megatron.bridge.models.conversion.param_mapping import split_qkv_weights
+
+        model = megatron_model[0] if isinstance(megatron_model, list) else megatron_model
+        config = attention_config(model.config, layer + 1)
+        q, k, v = split_qkv_weights(config, linear_out, feature_dim=linear_out.shape[-1])
+        return {"q_proj": q, "k_proj": k, "v_proj": v}
+
+    def stream_adapter_weights_megatron_to_hf(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        for item in super().stream_adapter_weights_megatron_to_hf(*args, **kwargs):
+            if not self._absent_in_hf(re.sub(r"\.lora_[AB]\.weight$", ".weight", item[0])):
+                yield item
+
+    def _get_fused_adapter_linear_out_slices(
+        self, megatron_model: list, base_hf_weight_names: list[str], linear_out_tensor: torch.Tensor, **kwargs: Any
+    ) -> dict[str, Any] | None:
+        if not self._is_fused_qkv(base_hf_weight_names):
+            return super()._get_fused_adapter_linear_out_slices(
+                megatron_model, base_hf_weight_names, linear_out_tensor, **kwargs
+            )
+        layer = int(re.search(r"layers\.(\d+)\.", base_hf_weight_names[0]).group(1))
+        by_role = self._qkv_slices(megatron_model, layer, linear_out_tensor)
+        return {name: by_role[self._infer_qkv_projection_from_name(name)] for name in base_hf_weight_names}
+
+    def _merge_lora_adapter_weights(
+        self, megatron_model: list, converted_weights_dict: dict[str, torch.Tensor], adapter_weights: list
+    ) -> dict[str, torch.Tensor]:
+        qkv = re.fullmatch(r"(?:.*\.)?layers\.(\d+)\.self_attention\.linear_qkv", adapter_weights[0].global_base_prefix)
+        if not converted_weights_dict or len(adapter_weights) != 1 or qkv is None:
+            return super()._merge_lora_adapter_weights(megatron_model, converted_weights_dict, adapter_weights)
+        adapter = adapter_weights[0]
+        linear_in = adapter.linear_in_weight.weight
+        by_role = self._qkv_slices(megatron_model, int(qkv.group(1)), adapter.linear_out_weight.weight)
+        return {
+            name: self._merge_single_adapter_weight(
+                base, adapter.alpha, adapter.dim, linear_in, by_role[self._infer_qkv_projection_from_name(name)]
+            )
+            for name, base in converted_weights_dict.items()
+        }
