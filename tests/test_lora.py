@@ -8,8 +8,9 @@ megatron-core and Megatron-Bridge on gloo ranks, at TP2 and PP2:
 * the trained forward equals transformers' forward on the merged export (fp32 parity bound): the
   adapter enters before ``linear_proj``'s post-norm and after ``linear_qkv``'s input norm, as in HF;
 * the merged export equals merging the exported adapter into the source in fp32 on the HF side;
-* adapter names are those HF PEFT and vLLM load: ``q/k/v/o_proj.lora_A/B.weight``, no ``v_proj`` on
-  k_eq_v full layers, each ``lora_B`` split by its own layer's head shape.
+* adapter names are those HF PEFT and vLLM load: ``q/k/v/o_proj.lora_A/B.weight``, each ``lora_B`` split
+  by its own layer's head shape; a k_eq_v full layer's ``v_proj`` adapter is its ``k_proj`` one (V is
+  the adapted K; vLLM serving it: ``tests/test_vllm.py``).
 """
 
 from __future__ import annotations
@@ -89,18 +90,22 @@ def test_vime_lora_trains_what_the_merged_export_and_the_adapter_serve(
     [result] = [r for r in local_world(2).run(_lora_job, str(checkpoint), topology, input_ids) if r is not None]
     prefix = "model.language_model.layers"
 
-    expected_names = set()
-    for layer, kind in enumerate(text["layer_types"]):
-        projections = ["q_proj", "k_proj", "o_proj"] + ([] if kind == "full_attention" else ["v_proj"])
-        expected_names |= {f"{prefix}.{layer}.self_attn.{p}.lora_{s}.weight" for p in projections for s in "AB"}
-    assert set(result["adapters"]) == expected_names
+    adapters = result["adapters"]
+    layers = range(len(text["layer_types"]))
+    assert set(adapters) == {
+        f"{prefix}.{layer}.self_attn.{p}_proj.lora_{s}.weight" for layer in layers for p in "qkvo" for s in "AB"
+    }
+    for layer, kind in enumerate(text["layer_types"]):  # k_eq_v full layers: V is the adapted K
+        k, v = (f"{prefix}.{layer}.self_attn.{p}_proj.lora_" for p in "kv")
+        same = all(torch.equal(adapters[k + s + ".weight"], adapters[v + s + ".weight"]) for s in "AB")
+        assert same == (kind == "full_attention"), (layer, kind)
 
     base = source.load(source.language_model_names())
     assert set(result["merged"]) == set(base)
-    adapted = {name.replace(".lora_A.weight", ".weight") for name in result["adapters"]}
+    adapted = {name.replace(".lora_A.weight", ".weight") for name in adapters}
     for name, weight in base.items():
         if name in adapted:  # merged on the HF side, in fp32: W + alpha / r * B @ A
-            a, b = (result["adapters"][name.replace(".weight", f".lora_{s}.weight")] for s in "AB")
+            a, b = (adapters[name.replace(".weight", f".lora_{s}.weight")] for s in "AB")
             weight = weight + ALPHA / RANK * (b @ a)
         assert result["merged"][name].dtype == weight.dtype and torch.equal(result["merged"][name], weight), name
 

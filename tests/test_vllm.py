@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 from vime_gemma4_bridge.cli.main import main as cli
 from vime_gemma4_bridge.convert.live import export_live_job
 from vime_gemma4_bridge.convert.topology import Topology
-from vime_gemma4_bridge.io.hf import HFCheckpoint
+from vime_gemma4_bridge.io.hf import HFCheckpoint, write_hf_checkpoint
 from vime_gemma4_bridge.testing.spec import TinySpec
 from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 from vime_gemma4_bridge.verify.parity import excluded_token_ids, fixed_token_ids
@@ -75,7 +75,13 @@ class Engine:
     """One vLLM engine in the vLLM environment, driven over tests/vllm_engine.py's line protocol."""
 
     def __init__(
-        self, model: Path, *, reprepack_moe: bool = True, dtype: str = "float32", timeout: float = 300.0
+        self,
+        model: Path,
+        *,
+        reprepack_moe: bool = True,
+        dtype: str = "float32",
+        max_lora_rank: int = 0,
+        timeout: float = 300.0,
     ) -> None:
         if not VLLM_PYTHON.exists():
             pytest.fail(f"no vLLM environment at {VLLM_PYTHON}: run `make setup` (it builds .venv-vllm)")
@@ -83,6 +89,7 @@ class Engine:
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-engine-{os.getpid()}-{time.monotonic_ns()}.log"
         command = [str(VLLM_PYTHON), str(REPO / "tests" / "vllm_engine.py"), str(model), "--answers-fd", str(write)]
         command += ["--text-only", "--dtype", dtype] + (["--reprepack-moe"] if reprepack_moe else [])
+        command += ["--max-lora-rank", str(max_lora_rank)]
         with self.log.open("w") as log:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.PIPE, stdout=log, stderr=log, pass_fds=(write,), text=True,
@@ -106,8 +113,8 @@ class Engine:
         assert "error" not in answer, answer["error"]
         return answer
 
-    def generate(self, prompts: list[list[int]]) -> dict:
-        return self.ask({"op": "generate", "prompts": prompts, "max_tokens": MAX_TOKENS})
+    def generate(self, prompts: list[list[int]], lora: Path | None = None) -> dict:
+        return self.ask({"op": "generate", "prompts": prompts, "max_tokens": MAX_TOKENS, "lora": lora and str(lora)})
 
     def reload(self, **source: object) -> dict:
         return self.ask({"op": "reload", **source})
@@ -442,3 +449,46 @@ def test_rollout_check_against_vllm_serve(ckpts, tmp_path: Path, capsys) -> None
         assert "rollout-check FAILED" in out and "prompt " in out and "diverges at token" in out, out
     finally:
         server.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# LoRA: vime's adapter, served by vLLM, is the merged export
+# ------------------------------------------------------------------------------------------------
+
+
+def _lora_for_vllm_job(hf_checkpoint: str, topology: Topology, out: str) -> dict | None:
+    """vime's LoRA model at ``topology``; its merged export (rank 0) and vime's adapter directory on the fork."""
+    import torch.distributed as dist
+    from fork_seams import fork_seams
+    from test_lora import ALPHA, RANK, TARGETS, _trained_lora_model
+    from vime_flow import save_lora_adapter_for_vllm
+
+    bridge, model = _trained_lora_model(hf_checkpoint, topology)
+    merged = {name: t.clone() for name, t, *_ in bridge.export_hf_weights(model, cpu=True, show_progress=False)}
+    with fork_seams():
+        save_lora_adapter_for_vllm(bridge, model, TARGETS, RANK, ALPHA, Path(out))
+    return merged if dist.get_rank() == 0 else None
+
+
+def test_vllm_serves_vimes_lora_adapter_as_the_merged_export(local_world, ckpts, prompts, tmp_path) -> None:
+    """vime's ``adapter_model.bin`` (``lora_utils.py`` @00ca8b39, fork double, TP2) through a ``LoRARequest``
+    generates what the merged export generates, on a dense Gemma 4 with k_eq_v full layers. vLLM 0.32.0 loads
+    K into the V slot there and adapts that slot by a ``v_proj`` adapter only, so without the exported
+    ``v_proj`` (= ``k_proj``) adapter V would miss the adapter and the rollouts drift. The adapter must change
+    the generation, or the comparison could not fail. (vLLM's CPU build serves no LoRA on the MoE: its LoRA
+    MoE path is Triton's.)"""
+    from test_lora import RANK
+
+    dense = write_tiny_checkpoint(tmp_path / "dense", TinySpec(**{**vars(SPEC), "moe": False}))
+    adapter = tmp_path / "adapter"
+    [merged] = [r for r in local_world(2).run(_lora_for_vllm_job, str(dense), Topology(tp=2), str(adapter)) if r]
+    merged_dir = write_hf_checkpoint(tmp_path / "merged", merged, HFCheckpoint(dense))
+    vllm = Engine(dense, reprepack_moe=False, max_lora_rank=max(RANK, 8))  # vLLM takes 8, 16, 32, ... only
+    try:
+        base, adapted = vllm.generate(prompts), vllm.generate(prompts, lora=adapter)
+        vllm.reload(weights_path=str(merged_dir))
+        served_merged = vllm.generate(prompts)
+    finally:
+        vllm.close()
+    assert adapted["tokens"] != base["tokens"], "the adapter must change the rollout, or this check could not fail"
+    assert_same_generation(adapted, served_merged)

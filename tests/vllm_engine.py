@@ -11,7 +11,9 @@ The first answer is ``{"ready": true, "platform": DEVICE}`` (vLLM's ``current_pl
 Requests (``op``):
 
 * ``generate`` ``{"prompts": [[ids]], "max_tokens": N}`` → ``{"tokens": [[ids]], "logprobs": [[float]]}``:
-  greedy (temperature 0) continuations and the logprob of each chosen token;
+  greedy (temperature 0) continuations and the logprob of each chosen token; with ``"lora": DIR`` (an
+  engine started with ``--max-lora-rank``) through that PEFT adapter directory, as vime serves its
+  ``save_lora_adapter_for_vllm`` output (a ``LoRARequest``);
 * ``reload`` ``{"weights_path": DIR}`` → vLLM's ``reload_weights(weights_path=DIR,
   is_checkpoint_format=True)``, the call vime's disk sync makes through ``POST /collective_rpc``
   (vime ``backends/vllm_utils/vllm_engine.py`` @039ae4dd, ``update_weights_from_disk``);
@@ -95,12 +97,14 @@ def main() -> int:
     parser.add_argument("--text-only", action="store_true", help="serve a VL checkpoint as Gemma4ForCausalLM")
     parser.add_argument("--reprepack-moe", action="store_true", help="clear moe_kernel before each reload")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-lora-rank", type=int, default=0, help="serve LoRA adapters up to this rank")
     args = parser.parse_args()
     answers = os.fdopen(args.answers_fd, "w", buffering=1)
     os.dup2(2, 1)  # vLLM's logs and any print go to stderr; stdout is not the protocol
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     overrides = {"architectures": ["Gemma4ForCausalLM"]} if args.text_only else None
     llm = LLM(
@@ -111,6 +115,7 @@ def main() -> int:
         max_num_seqs=8,
         seed=0,
         hf_overrides=overrides,
+        **({"enable_lora": True, "max_lora_rank": args.max_lora_rank, "max_loras": 1} if args.max_lora_rank else {}),
     )
     from vllm.platforms import current_platform
 
@@ -127,7 +132,8 @@ def main() -> int:
                     temperature=0.0, max_tokens=request["max_tokens"], logprobs=0, seed=0, ignore_eos=True
                 )
                 prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
-                outputs = llm.generate(prompts, params, use_tqdm=False)
+                lora = LoRARequest("adapter", 1, request["lora"]) if request.get("lora") else None
+                outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
                 tokens, logprobs = [], []
                 for output in outputs:
                     completion = output.outputs[0]

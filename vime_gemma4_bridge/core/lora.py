@@ -10,13 +10,12 @@ module returns its norm's output (TE's ``return_layernorm_output``, which Megatr
 ``post_norm((W + B A) x)``; and on the CPU twins the ``linear_qkv`` adapter reads the un-normalised
 input. :func:`with_gemma4_adapters` corrects both after any adapter transform: the provider runs it
 as its last pre-wrap hook (``Gemma4TextModelProvider.pre_wrap_hook``), which is where vime applies
-LoRA (``provider.register_pre_wrap_hook``). Parameter names and shapes do not change (UPSTREAM 53, 54).
+LoRA (``provider.register_pre_wrap_hook``). Parameter names and shapes do not change (UPSTREAM 53, 54, 55).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -67,10 +66,11 @@ class Gemma4AdapterExport:
     Megatron-Bridge splits it with the model-wide config, in the adapter export and in the merged
     export (upstream's own Gemma 4 bridge guesses global layers from the tensor's size), and merges
     unsplit when a layer has no ``v_proj``. Full layers have their own head dim and KV heads
-    (:func:`~vime_gemma4_bridge.core.model.attention_config`); a k_eq_v full layer's V is its K (the
-    model reads no V rows: ``Gemma4SelfAttention.value_is_key``), so its ``v_proj`` adapter is left out
-    of the stream (release 0.6.2 and the fork's ``peft_bridge.py`` @21018090 alike: the latter has no
-    ``ABSENT_PROJECTION`` to say so inside its loop).
+    (:func:`~vime_gemma4_bridge.core.model.attention_config`). A k_eq_v full layer's V is its adapted K
+    (the model reads no V rows there: ``Gemma4SelfAttention.value_is_key``), so its ``v_proj`` adapter is
+    exported as the ``k_proj`` one: vLLM loads K into a V slot of its own and adapts that slot by the
+    ``v_proj`` adapter only (0.32.0 ``models/gemma4.py`` ``_gemma4_layer_weights_mapper``), while HF PEFT,
+    which has no ``v_proj`` module there, computes V from the adapted K and ignores it.
     """
 
     def _qkv_slices(self, megatron_model: list, layer: int, linear_out: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -82,11 +82,6 @@ class Gemma4AdapterExport:
         q, k, v = split_qkv_weights(config, linear_out, feature_dim=linear_out.shape[-1])
         return {"q_proj": q, "k_proj": k, "v_proj": v}
 
-    def stream_adapter_weights_megatron_to_hf(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        for item in super().stream_adapter_weights_megatron_to_hf(*args, **kwargs):
-            if not self._absent_in_hf(re.sub(r"\.lora_[AB]\.weight$", ".weight", item[0])):
-                yield item
-
     def _get_fused_adapter_linear_out_slices(
         self, megatron_model: list, base_hf_weight_names: list[str], linear_out_tensor: torch.Tensor, **kwargs: Any
     ) -> dict[str, Any] | None:
@@ -96,7 +91,10 @@ class Gemma4AdapterExport:
             )
         layer = int(re.search(r"layers\.(\d+)\.", base_hf_weight_names[0]).group(1))
         by_role = self._qkv_slices(megatron_model, layer, linear_out_tensor)
-        return {name: by_role[self._infer_qkv_projection_from_name(name)] for name in base_hf_weight_names}
+        return {
+            name: by_role["k_proj" if self._absent_in_hf(name) else self._infer_qkv_projection_from_name(name)]
+            for name in base_hf_weight_names
+        }
 
     def _merge_lora_adapter_weights(
         self, megatron_model: list, converted_weights_dict: dict[str, torch.Tensor], adapter_weights: list
