@@ -3,14 +3,17 @@
 vime builds Megatron-Bridge's ``LoRA`` on ``linear_qkv`` / ``linear_proj`` and applies it as a pre-wrap
 hook of the bridge's provider (``provider.register_pre_wrap_hook``), then exports the adapter with
 ``bridge.export_adapter_weights(model, cpu=False, show_progress=False)``. Checked here, with real
-megatron-core and Megatron-Bridge on gloo ranks, at TP2 and PP2:
+megatron-core and Megatron-Bridge on gloo ranks, at TP2 and PP2 on the MoE (attention targets), with
+``CanonicalLoRA`` (``lora_type=canonical_lora``), and on a dense model with KV-shared layers and
+double-wide MLPs (every target: ``linear_fc1`` / ``linear_fc2`` too):
 
 * the trained forward equals transformers' forward on the merged export (fp32 parity bound): the
   adapter enters before ``linear_proj``'s post-norm and after ``linear_qkv``'s input norm, as in HF;
 * the merged export equals merging the exported adapter into the source in fp32 on the HF side;
 * adapter names are those HF PEFT and vLLM load: ``q/k/v/o_proj.lora_A/B.weight``, each ``lora_B`` split
   by its own layer's head shape; a k_eq_v full layer's ``v_proj`` adapter is its ``k_proj`` one (V is
-  the adapted K; vLLM serving it: ``tests/test_vllm.py``).
+  the adapted K; vLLM serving it: ``tests/test_vllm.py``). A KV-shared layer's query projection is
+  ``linear_q``, which the ``linear_qkv`` target does not name: it gets no adapter (trained and served alike).
 """
 
 from __future__ import annotations
@@ -35,14 +38,34 @@ TARGETS = ["linear_qkv", "linear_proj"]
 SEQ_LEN, BATCH = 24, 2
 
 
+#: The dense case: KV-shared layers (``linear_q``, no K/V) and their double-wide MLPs, every vime target.
+DENSE = TinySpec(moe=False, kv_shared_layers=2, double_wide_mlp=True, dtype="float32", seed=10)
+DENSE_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+#: ``CanonicalLoRA``: one adapter per projection (vime's ``lora_type=canonical_lora``).
+CANONICAL_TARGETS = ["linear_q", "linear_k", "linear_v", "linear_proj"]
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("lora") / "vl", TinySpec(dtype="float32", seed=9))
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "moe": write_tiny_checkpoint(root / "moe", TinySpec(dtype="float32", seed=9)),
+        "dense": write_tiny_checkpoint(root / "dense", DENSE),
+    }
 
 
-def _trained_lora_model(hf_checkpoint: str, topology: Topology) -> tuple:
-    """vime's model: LoRA as the provider's pre-wrap hook, HF weights, then "trained" adapters."""
+@pytest.fixture(scope="module")
+def checkpoint(checkpoints: dict[str, Path]) -> Path:
+    return checkpoints["moe"]
+
+
+def _trained_lora_model(hf_checkpoint: str, topology: Topology, targets: list[str] = TARGETS) -> tuple:
+    """vime's model: LoRA as the provider's pre-wrap hook, HF weights, then "trained" adapters.
+
+    Targets named as ``CanonicalLoRA`` names them (``linear_q`` ...) select it, as vime's ``lora_type``.
+    """
     from megatron.bridge import AutoBridge
+    from megatron.bridge.peft.canonical_lora import CanonicalLoRA
     from megatron.bridge.peft.lora import LoRA
 
     from vime_gemma4_bridge.convert import model as convert
@@ -50,7 +73,8 @@ def _trained_lora_model(hf_checkpoint: str, topology: Topology) -> tuple:
 
     init_model_parallel(topology)
     bridge = AutoBridge.from_hf_pretrained(hf_checkpoint)
-    lora = LoRA(target_modules=TARGETS, dim=RANK, alpha=ALPHA)
+    canonical = set(targets) <= set(CANONICAL_TARGETS)
+    lora = (CanonicalLoRA if canonical else LoRA)(target_modules=targets, dim=RANK, alpha=ALPHA)
     to_provider = bridge.to_megatron_provider
 
     def provider_with_lora(*args, **kwargs):  # vime's model.py: provider.register_pre_wrap_hook(apply_lora_hook)
@@ -69,36 +93,48 @@ def _trained_lora_model(hf_checkpoint: str, topology: Topology) -> tuple:
     return bridge, model
 
 
-def _lora_job(hf_checkpoint: str, topology: Topology, input_ids: torch.Tensor) -> dict | None:
+def _lora_job(hf_checkpoint: str, topology: Topology, input_ids: torch.Tensor, targets: list[str]) -> dict | None:
     """The trained forward's logits and both exports (rank 0)."""
     from vime_gemma4_bridge.verify.parity import megatron_logits_on_rank0
 
-    bridge, model = _trained_lora_model(hf_checkpoint, topology)
+    bridge, model = _trained_lora_model(hf_checkpoint, topology, targets)
     logits = megatron_logits_on_rank0(model, input_ids)
     adapters = {name: tensor.clone() for name, tensor, *_ in bridge.export_adapter_weights(model, show_progress=False)}
     merged = {name: t.clone() for name, t, *_ in bridge.export_hf_weights(model, cpu=True, show_progress=False)}
     return {"logits": logits, "adapters": adapters, "merged": merged} if logits is not None else None
 
 
-@pytest.mark.parametrize("topology", [Topology(tp=2), Topology(pp=2)], ids=str)
+@pytest.mark.parametrize(
+    ("kind", "topology"),
+    [("moe", Topology(tp=2)), ("moe", Topology(pp=2)), ("canonical", Topology(tp=2)), ("dense", Topology(tp=2))],
+    ids=str,
+)
 def test_vime_lora_trains_what_the_merged_export_and_the_adapter_serve(
-    local_world, checkpoint: Path, tmp_path: Path, topology: Topology
+    local_world, checkpoints: dict[str, Path], tmp_path: Path, kind: str, topology: Topology
 ) -> None:
+    checkpoint = checkpoints["dense" if kind == "dense" else "moe"]
+    targets = {"dense": DENSE_TARGETS, "canonical": CANONICAL_TARGETS}.get(kind, TARGETS)
     source = HFCheckpoint(checkpoint)
     text = source.config.get("text_config", source.config)
     input_ids = torch.randint(0, text["vocab_size"], (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(1))
-    [result] = [r for r in local_world(2).run(_lora_job, str(checkpoint), topology, input_ids) if r is not None]
+    job = _lora_job, str(checkpoint), topology, input_ids, targets
+    [result] = [r for r in local_world(2).run(*job) if r is not None]
     prefix = "model.language_model.layers"
 
     adapters = result["adapters"]
     layers = range(len(text["layer_types"]))
-    assert set(adapters) == {
-        f"{prefix}.{layer}.self_attn.{p}_proj.lora_{s}.weight" for layer in layers for p in "qkvo" for s in "AB"
-    }
-    for layer, kind in enumerate(text["layer_types"]):  # k_eq_v full layers: V is the adapted K
+    shared = range(len(layers) - text.get("num_kv_shared_layers", 0), len(layers))  # ``linear_q``: not a target
+    expected = {f"{prefix}.{layer}.self_attn.o_proj" for layer in layers}
+    expected |= {f"{prefix}.{layer}.self_attn.{p}_proj" for layer in layers for p in "qkv" if layer not in shared}
+    if kind == "dense":
+        expected |= {f"{prefix}.{layer}.mlp.{p}_proj" for layer in layers for p in ("gate", "up", "down")}
+    assert set(adapters) == {f"{module}.lora_{s}.weight" for module in expected for s in "AB"}
+    for layer, layer_type in enumerate(text["layer_types"]):  # k_eq_v full layers: V is the adapted K
+        if layer in shared:
+            continue
         k, v = (f"{prefix}.{layer}.self_attn.{p}_proj.lora_" for p in "kv")
         same = all(torch.equal(adapters[k + s + ".weight"], adapters[v + s + ".weight"]) for s in "AB")
-        assert same == (kind == "full_attention"), (layer, kind)
+        assert same == (layer_type == "full_attention" and text["attention_k_eq_v"]), (layer, layer_type)
 
     base = source.load(source.language_model_names())
     assert set(result["merged"]) == set(base)
@@ -113,7 +149,8 @@ def test_vime_lora_trains_what_the_merged_export_and_the_adapter_serve(
     max_abs, _, agreement = compare_logits(
         result["logits"], hf_logits(str(merged), input_ids, torch.float32), text["vocab_size"]
     )
-    assert max_abs <= FLOAT32_MAX_ABS_TOLERANCE["moe"] and agreement == 1.0, (max_abs, agreement)
+    bound = FLOAT32_MAX_ABS_TOLERANCE["dense" if kind == "dense" else "moe"]
+    assert max_abs <= bound and agreement == 1.0, (max_abs, agreement)
 
 
 def _vime_save_job(hf_checkpoint: str, topology: Topology, build: str, out: str) -> dict | str:
@@ -172,3 +209,39 @@ def test_adapters_on_a_post_norm_linear_are_placed_or_refused() -> None:
     chunk["proj"] = OtherAdapter(PostNorm(2, 2), torch.nn.Identity())
     with pytest.raises(ValueError, match=r"^proj: Gemma 4 normalises this linear's output .* OtherAdapter there"):
         with_gemma4_adapters([chunk])
+
+
+def _refused_export_job(hf_checkpoint: str, case: str) -> str:
+    """The adapter export of a model LoRA'd on ``linear_v`` alone, or LoRA'd after the build (not as a
+    provider pre-wrap hook: Megatron-Bridge's own placement); its error, if any."""
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.peft.lora import LoRA
+
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+
+    if case == "v-only":
+        bridge, model = _trained_lora_model(hf_checkpoint, Topology(), ["linear_v"])
+    else:
+        init_model_parallel(Topology())
+        bridge = AutoBridge.from_hf_pretrained(hf_checkpoint)
+        model = LoRA(target_modules=TARGETS, dim=RANK, alpha=ALPHA)(convert.build_model(bridge, Topology()))
+    try:
+        list(bridge.export_adapter_weights(model, show_progress=False))
+    except ValueError as error:
+        return str(error)
+    return "exported"
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        # CanonicalLoRA on linear_v alone: a full layer's V is K, so its V adapter never acted.
+        ("v-only", "model.language_model.layers.1.self_attn.v_proj.lora_A.weight: a v_proj adapter of a k_eq_v"),
+        # It trained post_norm(W x) + B A x, which neither export can represent; the line names the fix.
+        ("late", "decoder.layers.0.self_attention.linear_proj: this adapter was applied after the Gemma 4 provider"),
+    ],
+)
+def test_adapters_no_export_can_represent_are_refused(local_world, checkpoint: Path, case: str, message: str) -> None:
+    [got, _] = local_world(2).run(_refused_export_job, str(checkpoint), case)
+    assert got.startswith(message), got

@@ -460,26 +460,28 @@ def _lora_for_vllm_job(hf_checkpoint: str, topology: Topology, out: str) -> dict
     """vime's LoRA model at ``topology``; its merged export (rank 0) and vime's adapter directory on the fork."""
     import torch.distributed as dist
     from fork_seams import fork_seams
-    from test_lora import ALPHA, RANK, TARGETS, _trained_lora_model
+    from test_lora import ALPHA, DENSE_TARGETS, RANK, _trained_lora_model
     from vime_flow import save_lora_adapter_for_vllm
 
-    bridge, model = _trained_lora_model(hf_checkpoint, topology)
+    bridge, model = _trained_lora_model(hf_checkpoint, topology, DENSE_TARGETS)
     merged = {name: t.clone() for name, t, *_ in bridge.export_hf_weights(model, cpu=True, show_progress=False)}
     with fork_seams():
-        save_lora_adapter_for_vllm(bridge, model, TARGETS, RANK, ALPHA, Path(out))
+        save_lora_adapter_for_vllm(bridge, model, DENSE_TARGETS, RANK, ALPHA, Path(out))
     return merged if dist.get_rank() == 0 else None
 
 
 def test_vllm_serves_vimes_lora_adapter_as_the_merged_export(local_world, ckpts, prompts, tmp_path) -> None:
-    """vime's ``adapter_model.bin`` (``lora_utils.py`` @00ca8b39, fork double, TP2) through a ``LoRARequest``
-    generates what the merged export generates, on a dense Gemma 4 with k_eq_v full layers. vLLM 0.32.0 loads
+    """vime's ``adapter_model.bin`` (``lora_utils.py`` @00ca8b39, fork double, TP2, every vime target) through a
+    ``LoRARequest`` generates what the merged export generates, on a dense Gemma 4 with k_eq_v full layers,
+    KV-shared layers and double-wide MLPs. vLLM 0.32.0 loads
     K into the V slot there and adapts that slot by a ``v_proj`` adapter only, so without the exported
     ``v_proj`` (= ``k_proj``) adapter V would miss the adapter and the rollouts drift. The adapter must change
     the generation, or the comparison could not fail. (vLLM's CPU build serves no LoRA on the MoE: its LoRA
     MoE path is Triton's.)"""
     from test_lora import RANK
 
-    dense = write_tiny_checkpoint(tmp_path / "dense", TinySpec(**{**vars(SPEC), "moe": False}))
+    spec = TinySpec(**{**vars(SPEC), "moe": False, "kv_shared_layers": 2, "double_wide_mlp": True})
+    dense = write_tiny_checkpoint(tmp_path / "dense", spec)
     adapter = tmp_path / "adapter"
     [merged] = [r for r in local_world(2).run(_lora_for_vllm_job, str(dense), Topology(tp=2), str(adapter)) if r]
     merged_dir = write_hf_checkpoint(tmp_path / "merged", merged, HFCheckpoint(dense))

@@ -16,6 +16,7 @@ LoRA (``provider.register_pre_wrap_hook``). Parameter names and shapes do not ch
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,6 +36,20 @@ class PostNormLoRALinear(LoRALinear):
         return self.to_wrap.post_layernorm(output), bias
 
 
+def _adapters(model: list[torch.nn.Module]) -> Iterator[tuple[str, AdapterWrapper]]:
+    for chunk in model:
+        for name, module in chunk.named_modules():
+            if isinstance(module, AdapterWrapper):
+                yield name, module
+
+
+def _placed(adapter: AdapterWrapper) -> bool:
+    """Whether ``adapter`` reads and adds where HF does: after an input norm, before a post-norm."""
+    if hasattr(adapter.to_wrap, "post_layernorm"):
+        return type(adapter) is PostNormLoRALinear
+    return getattr(adapter.to_wrap, "return_layernorm_output", True)
+
+
 def with_gemma4_adapters(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """``model`` with every adapter placed as Hugging Face places it (in place; idempotent).
 
@@ -42,21 +57,18 @@ def with_gemma4_adapters(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
     linear under any adapter returns its norm's output, so the adapter reads what the linear reads.
     Any other adapter type around a post-norm linear is refused: its merge would not be what it trained.
     """
-    for chunk in model:
-        for name, module in chunk.named_modules():
-            if not isinstance(module, AdapterWrapper):
-                continue
-            wrapped = module.to_wrap
-            if hasattr(wrapped, "post_layernorm"):
-                if type(module) is LoRALinear:
-                    module.__class__ = PostNormLoRALinear
-                elif type(module) is not PostNormLoRALinear:
-                    raise ValueError(
-                        f"{name}: Gemma 4 normalises this linear's output (post_layernorm), so a "
-                        f"{type(module).__name__} there cannot compute what its merge exports; use LoRA or exclude it"
-                    )
-            elif hasattr(wrapped, "return_layernorm_output"):
-                wrapped.return_layernorm_output = True
+    for name, adapter in _adapters(model):
+        if _placed(adapter):
+            continue
+        if not hasattr(adapter.to_wrap, "post_layernorm"):
+            adapter.to_wrap.return_layernorm_output = True
+        elif type(adapter) is LoRALinear:
+            adapter.__class__ = PostNormLoRALinear
+        else:
+            raise ValueError(
+                f"{name}: Gemma 4 normalises this linear's output (post_layernorm), so a "
+                f"{type(adapter).__name__} there cannot compute what its merge exports; use LoRA or exclude it"
+            )
     return model
 
 
@@ -72,6 +84,21 @@ class Gemma4AdapterExport:
     ``v_proj`` adapter only (0.32.0 ``models/gemma4.py`` ``_gemma4_layer_weights_mapper``), while HF PEFT,
     which has no ``v_proj`` module there, computes V from the adapted K and ignores it.
     """
+
+    def build_adapter_conversion_tasks(self, megatron_model: list, *args: Any, **kwargs: Any) -> Any:
+        """Upstream's adapter tasks (both exports build them), once every adapter is known to be placed.
+
+        An adapter applied to the built model rather than as a provider pre-wrap hook trained with
+        Megatron-Bridge's placement (``post_norm(W x) + B A x``), which no export can represent.
+        """
+        misplaced = [name for name, adapter in _adapters(megatron_model) if not _placed(adapter)]
+        if misplaced:
+            raise ValueError(
+                f"{misplaced[0]}: this adapter was applied after the Gemma 4 provider built the model, so it did not "
+                "train what HF and vLLM compute; apply LoRA as a provider pre-wrap hook "
+                "(provider.register_pre_wrap_hook), or call core.lora.with_gemma4_adapters(model) right after it"
+            )
+        return super().build_adapter_conversion_tasks(megatron_model, *args, **kwargs)
 
     def _qkv_slices(self, megatron_model: list, layer: int, linear_out: torch.Tensor) -> dict[str, torch.Tensor]:
         """``linear_out``'s rows for ``q_proj`` / ``k_proj`` / ``v_proj`` of HF layer ``layer`` (0-based)."""
@@ -91,10 +118,27 @@ class Gemma4AdapterExport:
             )
         layer = int(re.search(r"layers\.(\d+)\.", base_hf_weight_names[0]).group(1))
         by_role = self._qkv_slices(megatron_model, layer, linear_out_tensor)
-        return {
-            name: by_role["k_proj" if self._absent_in_hf(name) else self._infer_qkv_projection_from_name(name)]
-            for name in base_hf_weight_names
-        }
+        return {name: by_role[self._infer_qkv_projection_from_name(name)] for name in base_hf_weight_names}
+
+    def stream_adapter_weights_megatron_to_hf(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        """The adapter export, with a k_eq_v full layer's ``v_proj`` adapter replaced by its ``k_proj`` one.
+
+        Fused (``LoRA``) or split (``CanonicalLoRA``): the ``k_proj`` item of a layer comes before its
+        ``v_proj`` item in both builds' streams (the QKV mapping's and the split adapter's q, k, v order).
+        """
+        adapted_k: dict[str, torch.Tensor] = {}
+        for item in super().stream_adapter_weights_megatron_to_hf(*args, **kwargs):
+            base, side = re.fullmatch(r"(.*)(\.lora_[AB]\.weight)", item[0]).groups()
+            if base.endswith(".k_proj"):
+                adapted_k[base[: -len("k_proj")] + "v_proj" + side] = item[1]
+            elif self._absent_in_hf(base + ".weight"):
+                if item[0] not in adapted_k:
+                    raise ValueError(
+                        f"{item[0]}: a v_proj adapter of a k_eq_v layer without a k_proj one; V is K there, "
+                        "so it trained nothing the rollout engines could serve: target k_proj (linear_k) too"
+                    )
+                item = item._replace(weight=adapted_k.pop(item[0]))
+            yield item
 
     def _merge_lora_adapter_weights(
         self, megatron_model: list, converted_weights_dict: dict[str, torch.Tensor], adapter_weights: list
