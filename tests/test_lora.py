@@ -4,8 +4,8 @@ vime builds Megatron-Bridge's ``LoRA`` on ``linear_qkv`` / ``linear_proj`` and a
 hook of the bridge's provider (``provider.register_pre_wrap_hook``), then exports the adapter with
 ``bridge.export_adapter_weights(model, cpu=False, show_progress=False)``. Checked here, with real
 megatron-core and Megatron-Bridge on gloo ranks, at TP2 and PP2 on the MoE (attention targets), with
-``CanonicalLoRA`` (``lora_type=canonical_lora``), and on a dense model with KV-shared layers and
-double-wide MLPs (every target: ``linear_fc1`` / ``linear_fc2`` too):
+``CanonicalLoRA`` (``lora_type=canonical_lora``), on the MoE's MLP targets (every routed expert, at EP2
+and TP2) and on a dense model with KV-shared layers and double-wide MLPs (every target):
 
 * the trained forward equals transformers' forward on the merged export (fp32 parity bound): the
   adapter enters before ``linear_proj``'s post-norm and after ``linear_qkv``'s input norm, as in HF;
@@ -13,7 +13,8 @@ double-wide MLPs (every target: ``linear_fc1`` / ``linear_fc2`` too):
 * adapter names are those HF PEFT and vLLM load: ``q/k/v/o_proj.lora_A/B.weight``, each ``lora_B`` split
   by its own layer's head shape; a k_eq_v full layer's ``v_proj`` adapter is its ``k_proj`` one (V is
   the adapted K; vLLM serving it: ``tests/test_vllm.py``). A KV-shared layer's query projection is
-  ``linear_q``, which the ``linear_qkv`` target does not name: it gets no adapter (trained and served alike).
+  ``linear_q``, which the ``linear_qkv`` target does not name: it gets no adapter (trained and served alike);
+  the experts' adapters are per expert (``experts.<e>.<gate|up|down>_proj.lora_A/B.weight``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from fork_seams import fork_seams
 from vime_flow import save_lora_adapter_for_vllm
 
 from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.core.hf_layout import STACK_NAME, STACK_PROJECTIONS, per_expert_name
 from vime_gemma4_bridge.io.hf import HFCheckpoint, write_hf_checkpoint
 from vime_gemma4_bridge.testing.spec import TinySpec
 from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
@@ -41,6 +44,8 @@ SEQ_LEN, BATCH = 24, 2
 #: The dense case: KV-shared layers (``linear_q``, no K/V) and their double-wide MLPs, every vime target.
 DENSE = TinySpec(moe=False, kv_shared_layers=2, double_wide_mlp=True, dtype="float32", seed=10)
 DENSE_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+#: The MoE's MLP targets: the dense MLP beside the experts and the routed experts (one adapter per expert).
+MLP_TARGETS = ["linear_fc1", "linear_fc2"]
 #: ``CanonicalLoRA``: one adapter per projection (vime's ``lora_type=canonical_lora``).
 CANONICAL_TARGETS = ["linear_q", "linear_k", "linear_v", "linear_proj"]
 
@@ -104,16 +109,42 @@ def _lora_job(hf_checkpoint: str, topology: Topology, input_ids: torch.Tensor, t
     return {"logits": logits, "adapters": adapters, "merged": merged} if logits is not None else None
 
 
+def hf_side_merge(name: str, weight: torch.Tensor, adapters: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``weight`` merged on the HF side in fp32 (``W + alpha / r * B @ A``); a stacked expert tensor from
+    its experts' adapters (``gate_up``: the gate and up ``lora_B`` rows over their one shared ``lora_A``)."""
+    stack = STACK_NAME.match(name)
+    if stack is None:
+        lora = {s: adapters.get(name.removesuffix(".weight") + f".lora_{s}.weight") for s in "AB"}
+        return weight if lora["A"] is None else weight + ALPHA / RANK * (lora["B"] @ lora["A"])
+    projections = STACK_PROJECTIONS[stack["stack"]]
+    if per_expert_name(name, 0, projections[0]).removesuffix(".weight") + ".lora_A.weight" not in adapters:
+        return weight
+    merged = []
+    for expert, expert_weight in enumerate(weight):
+        heads = [per_expert_name(name, expert, p).removesuffix(".weight") + ".lora_" for p in projections]
+        assert all(torch.equal(adapters[heads[0] + "A.weight"], adapters[h + "A.weight"]) for h in heads)
+        b = torch.cat([adapters[h + "B.weight"] for h in heads])
+        merged.append(expert_weight + ALPHA / RANK * (b @ adapters[heads[0] + "A.weight"]))
+    return torch.stack(merged)
+
+
 @pytest.mark.parametrize(
     ("kind", "topology"),
-    [("moe", Topology(tp=2)), ("moe", Topology(pp=2)), ("canonical", Topology(tp=2)), ("dense", Topology(tp=2))],
+    [
+        ("moe", Topology(tp=2)),
+        ("moe", Topology(pp=2)),
+        ("canonical", Topology(tp=2)),
+        ("experts", Topology(ep=2)),
+        ("experts", Topology(tp=2)),
+        ("dense", Topology(tp=2)),
+    ],
     ids=str,
 )
 def test_vime_lora_trains_what_the_merged_export_and_the_adapter_serve(
     local_world, checkpoints: dict[str, Path], tmp_path: Path, kind: str, topology: Topology
 ) -> None:
     checkpoint = checkpoints["dense" if kind == "dense" else "moe"]
-    targets = {"dense": DENSE_TARGETS, "canonical": CANONICAL_TARGETS}.get(kind, TARGETS)
+    targets = {"dense": DENSE_TARGETS, "canonical": CANONICAL_TARGETS, "experts": MLP_TARGETS}.get(kind, TARGETS)
     source = HFCheckpoint(checkpoint)
     text = source.config.get("text_config", source.config)
     input_ids = torch.randint(0, text["vocab_size"], (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(1))
@@ -128,9 +159,13 @@ def test_vime_lora_trains_what_the_merged_export_and_the_adapter_serve(
     expected |= {f"{prefix}.{layer}.self_attn.{p}_proj" for layer in layers for p in "qkv" if layer not in shared}
     if kind == "dense":
         expected |= {f"{prefix}.{layer}.mlp.{p}_proj" for layer in layers for p in ("gate", "up", "down")}
+    if kind == "experts":  # the dense MLP beside the experts, and every routed expert, per expert
+        projections = [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+        projections += [f"experts.{e}.{p}_proj" for e in range(text["num_experts"]) for p in ("gate", "up", "down")]
+        expected = {f"{prefix}.{layer}.{p}" for layer in layers for p in projections}
     assert set(adapters) == {f"{module}.lora_{s}.weight" for module in expected for s in "AB"}
     for layer, layer_type in enumerate(text["layer_types"]):  # k_eq_v full layers: V is the adapted K
-        if layer in shared:
+        if layer in shared or kind == "experts":
             continue
         k, v = (f"{prefix}.{layer}.self_attn.{p}_proj.lora_" for p in "kv")
         same = all(torch.equal(adapters[k + s + ".weight"], adapters[v + s + ".weight"]) for s in "AB")
@@ -138,11 +173,8 @@ def test_vime_lora_trains_what_the_merged_export_and_the_adapter_serve(
 
     base = source.load(source.language_model_names())
     assert set(result["merged"]) == set(base)
-    adapted = {name.replace(".lora_A.weight", ".weight") for name in adapters}
     for name, weight in base.items():
-        if name in adapted:  # merged on the HF side, in fp32: W + alpha / r * B @ A
-            a, b = (adapters[name.replace(".weight", f".lora_{s}.weight")] for s in "AB")
-            weight = weight + ALPHA / RANK * (b @ a)
+        weight = hf_side_merge(name, weight, adapters)
         assert result["merged"][name].dtype == weight.dtype and torch.equal(result["merged"][name], weight), name
 
     merged = write_hf_checkpoint(tmp_path / "merged", result["merged"], source)
@@ -245,3 +277,21 @@ def _refused_export_job(hf_checkpoint: str, case: str) -> str:
 def test_adapters_no_export_can_represent_are_refused(local_world, checkpoint: Path, case: str, message: str) -> None:
     [got, _] = local_world(2).run(_refused_export_job, str(checkpoint), case)
     assert got.startswith(message), got
+
+
+def test_expert_adapters_are_split_per_expert_only_when_stacked() -> None:
+    """The release streams a layer's expert adapters stacked; one expert's (2-D, as the fork @21018090 streams
+    them under the same stacked name) cannot be told apart by name, and is refused rather than mis-split."""
+    from vime_gemma4_bridge.core.lora import _per_expert
+
+    class Item(NamedTuple):
+        param_name: str
+        weight: torch.Tensor
+
+    stack = "model.layers.0.experts.gate_up_proj"
+    stacked = Item(f"{stack}.lora_B.weight", torch.arange(2 * 4 * 3.0).reshape(2, 4, 3))
+    split = {item.param_name: item.weight for item in _per_expert(stacked, stack, ".lora_B.weight")}
+    assert list(split) == [f"model.layers.0.experts.{e}.{p}_proj.lora_B.weight" for e in (0, 1) for p in ("gate", "up")]
+    assert torch.equal(split["model.layers.0.experts.1.up_proj.lora_B.weight"], stacked.weight[1, 2:])
+    with pytest.raises(ValueError, match=r"gate_up_proj.lora_B.weight: expected the experts' adapters stacked"):
+        list(_per_expert(Item(stacked.param_name, stacked.weight[0]), stack, ".lora_B.weight"))

@@ -93,6 +93,30 @@ def with_grouped_names(stream: Iterable[Any], bridge: Any) -> Iterator[Any]:
         yield item
 
 
+def peft_reads_module_attributes() -> None:
+    """Let Megatron-Bridge's LoRA transform take a linear that states its own adapter attributes.
+
+    ``peft/lora.py`` (0.6.2; the fork alike) asks ``get_adapter_attributes_from_linear``, which knows
+    megatron-core's and TE's linears only and raises for any other (the CPU twins of TE's grouped
+    expert linears, ``core/cpu_modules``). A module with an ``adapter_attributes()`` method is described
+    by it; every other module goes to upstream's function unchanged (UPSTREAM 56). Idempotent.
+    """
+    from megatron.bridge.peft import lora
+    from megatron.bridge.peft.utils import AdapterAttributes
+
+    upstream = lora.get_adapter_attributes_from_linear
+    if getattr(upstream, "reads_module_attributes", False):
+        return
+
+    def described(module: Any, *args: Any, **kwargs: Any) -> Any:
+        if hasattr(module, "adapter_attributes"):
+            return AdapterAttributes(**module.adapter_attributes())
+        return upstream(module, *args, **kwargs)
+
+    described.reads_module_attributes = True
+    lora.get_adapter_attributes_from_linear = described
+
+
 def build_kind() -> str:
     """``"release"``, ``"vime fork"`` or ``"sourced export"``, as its export tuple tells."""
     return {TWO_FIELDS: "release", THIRD_FIELD: "vime fork", SOURCED: "sourced export"}[export_tuple()]

@@ -211,6 +211,20 @@ class _GroupedLinear(nn.Module):
             self.register_parameter(f"weight{k}", weight)
         self._register_load_state_dict_pre_hook(self._merge_extra_states, with_module=False)
 
+    def adapter_attributes(self) -> dict[str, object]:
+        """What Megatron-Bridge's LoRA transform asks of a linear (its ``AdapterAttributes``), as for TE's
+        grouped linears: one adapter per local expert, expert-TP split like the weights, no TP communication."""
+        tp, (rows, cols) = self.tp_group.size(), self.weight0.shape
+        row_parallel = self.partition_dim == 1
+        return {
+            "input_is_parallel": row_parallel,
+            "in_features": cols * (tp if row_parallel else 1),
+            "out_features": rows * (1 if row_parallel else tp),
+            "disable_tensor_parallel_comm": True,
+            "disable_sequence_parallel_comm": True,
+            "base_linear_is_parallel": True,
+        }
+
     def _merge_extra_states(self, state_dict: dict, prefix: str, *args: object) -> None:
         """Take the torch_dist layout's per-expert ``_extra_state1 .. _extra_state{K-1}`` in, as TE does.
 

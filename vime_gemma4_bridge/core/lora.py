@@ -23,6 +23,7 @@ import torch
 from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
 from megatron.bridge.peft.lora_layers import LoRALinear
 
+from vime_gemma4_bridge.core.hf_layout import STACK_NAME, STACK_PROJECTIONS, per_expert_name, split_expert
 from vime_gemma4_bridge.core.model import attention_config
 
 
@@ -70,6 +71,21 @@ def with_gemma4_adapters(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
                 f"{type(adapter).__name__} there cannot compute what its merge exports; use LoRA or exclude it"
             )
     return model
+
+
+def _per_expert(item: Any, stack: str, side: str) -> Iterator[Any]:
+    """A stacked expert adapter (``[E, ...]``) as the per-expert adapters vLLM's Gemma 4 loader names (UPSTREAM 56):
+    ``<layer>.experts.<e>.<gate|up|down>_proj.lora_<A|B>.weight``; ``gate_up``'s one ``lora_A`` serves both."""
+    if item[1].ndim != 3:  # the fork @21018090 streams expert adapters one expert at a time: not read here
+        raise ValueError(f"{item[0]}: expected the experts' adapters stacked [experts, ...], got {list(item[1].shape)}")
+    projections = STACK_PROJECTIONS[STACK_NAME.match(stack)["stack"]]
+    for expert, weight in enumerate(item[1]):
+        if side == ".lora_B.weight":  # output rows: gate's, then up's
+            parts = split_expert(stack, expert, weight)
+        else:
+            parts = [(per_expert_name(stack, expert, projection), weight) for projection in projections]
+        for name, tensor in parts:
+            yield item._replace(param_name=name.removesuffix(".weight") + side, weight=tensor)
 
 
 class Gemma4AdapterExport:
@@ -129,6 +145,9 @@ class Gemma4AdapterExport:
         adapted_k: dict[str, torch.Tensor] = {}
         for item in super().stream_adapter_weights_megatron_to_hf(*args, **kwargs):
             base, side = re.fullmatch(r"(.*)(\.lora_[AB]\.weight)", item[0]).groups()
+            if STACK_NAME.match(base):
+                yield from _per_expert(item, base, side)
+                continue
             if base.endswith(".k_proj"):
                 adapted_k[base[: -len("k_proj")] + "v_proj" + side] = item[1]
             elif self._absent_in_hf(base + ".weight"):
