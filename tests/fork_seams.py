@@ -48,7 +48,8 @@ installed here, so :func:`fork_seams` patches the installed 0.6.2 release, for t
 9. **the adapter export** — ``peft_bridge.py`` @21018090 ``stream_adapter_weights_megatron_to_hf(megatron_model,
    cpu, show_progress)`` yields ``HFWeightTuple(hf_name, tensor, megatron_name)``, the third field the
    adapter's local ``linear_in`` name for ``lora_A`` and ``linear_out`` for ``lora_B``; ``AutoBridge.
-   export_adapter_weights(model, cpu, show_progress)`` (no ``exclude_adapter_base_prefixes``) calls it.
+   export_adapter_weights(model, cpu, show_progress)`` (``auto_bridge.py`` @d063066b, no
+   ``exclude_adapter_base_prefixes``) calls it with those two keywords.
 
 Everything is restored on exit, and the plugin's cached seam detection is cleared both ways, so a
 shared rank process can run release and fork cases one after the other.

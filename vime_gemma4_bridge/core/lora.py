@@ -89,7 +89,11 @@ def _per_expert(item: Any, stack: str, side: str) -> Iterator[Any]:
 
 
 class Gemma4AdapterExport:
-    """Bridge mixin: a fused QKV adapter's ``lora_B`` split by its layer's own attention shape.
+    """Bridge mixin: Gemma 4's adapter export and merge, over Megatron-Bridge's (both builds share these hooks).
+
+    * both exports refuse adapters that were not placed as HF places them (:func:`with_gemma4_adapters`);
+    * the routed experts' stacked adapters stream per expert (:func:`_per_expert`);
+    * a fused QKV adapter's ``lora_B`` is split by its layer's own attention shape.
 
     Megatron-Bridge splits it with the model-wide config, in the adapter export and in the merged
     export (upstream's own Gemma 4 bridge guesses global layers from the tensor's size), and merges
