@@ -24,7 +24,7 @@ LAST_LINE = re.compile(
     r"live_vs_copy=(?P<live_vs_copy>[0-9.]+) live_peak_extra_mb=(?P<live>[0-9.]+) "
     r"layer_experts_mb=(?P<experts>[0-9.]+) import_peak_extra_mb=(?P<import_peak>[0-9.]+) "
     r"export_peak_extra_mb=(?P<export_peak>[0-9.]+) live_per_expert_peak_extra_mb=(?P<per_expert>[0-9.]+) "
-    r"live_fp8_gb_per_s=(?P<fp8_gb_per_s>[0-9.]+)$"
+    r"live_fp8_gb_per_s=(?P<fp8_gb_per_s>[0-9.]+) checksum_overhead=(?P<checksum_overhead>[0-9.]+)$"
 )
 
 STEPS = ["reference", "live", "live-per-expert", "live-fp8", "copy", "import", "export"]
@@ -68,6 +68,9 @@ def test_bench_runs_and_prints_the_headline_last(local_world, tmp_path: Path, ca
     figures = {name: float(value) for name, value in match.groupdict().items()}
     assert all(value > 0 and math.isfinite(value) for value in figures.values()), figures
     assert figures["experts"] == pytest.approx(result.layer_experts / 1e6, abs=0.05)
+    for step in ("import", "export"):  # digests recorded (import) and checked, written with the shards (export)
+        found = result.find(step, result.sizes[0], 1)
+        assert 0 < found.checksum_seconds < found.seconds, found
     assert any(line.startswith("| 0.00") and "| export |" in line for line in lines)
     assert not list((tmp_path / "work").iterdir()), "checkpoints are removed unless --keep"
 

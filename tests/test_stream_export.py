@@ -60,10 +60,17 @@ def test_lazy_tensors_write_loadable_safetensors(tmp_path: Path) -> None:
     lazy = hf_io.LazyTensor((4, 6, 3), torch.bfloat16, lambda: iter(experts.unbind(0)))
     hf_io.save_safetensors(tmp_path / "x.safetensors", [*eager.items(), ("experts", lazy)], metadata={"format": "pt"})
     with safe_open(tmp_path / "x.safetensors", framework="pt") as handle:
-        assert handle.metadata() == {"format": "pt"}
+        metadata = handle.metadata()
         assert torch.equal(handle.get_tensor("experts"), experts)
         for name, value in eager.items():
             assert torch.equal(handle.get_tensor(name), value)
+    # the caller's metadata, and each tensor's digest of the bytes written (strided and lazy ones too)
+    import xxhash
+
+    written = {**eager, "experts": experts}
+    raw = {name: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for name, t in written.items()}
+    digests = {f"xxh3_128:{name}": xxhash.xxh3_128_hexdigest(data) for name, data in raw.items()}
+    assert metadata == {"format": "pt", **digests}
 
 
 def test_a_lazy_tensor_of_the_wrong_size_is_refused(tmp_path: Path) -> None:

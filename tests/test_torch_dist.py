@@ -26,6 +26,7 @@ import pytest
 
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.convert.torch_dist_jobs import export_job, import_job
+from vime_gemma4_bridge.io.digests import DIGESTS_NAME
 from vime_gemma4_bridge.io.torch_dist import (
     ITERATION_DIR,
     RUN_CONFIG_NAME,
@@ -208,7 +209,7 @@ def test_json_report_is_the_only_stdout(single_rank, capsys, tmp_path: Path) -> 
     assert report["command"] == "export" and report["ok"]
     assert report["topology"] == "TP1·PP1·EP1·ETP1" and report["world_size"] == 1
     assert report["tensors"] == 88 and report["bytes"] > 0 and report["seconds"] > 0 and report["gb_per_s"] >= 0
-    assert set(report["phases"]) == {"build", "load", "export", "write"}
+    assert set(report["phases"]) == {"verify", "build", "load", "export", "write"}
     assert "Writing again" in stderr  # the write's progress bar (the export streams into it), on stderr
 
 
@@ -374,6 +375,7 @@ def test_torch_dist_without_sidecar_is_checked_by_run_config(single_rank, checkp
     bare = tmp_path / "bare"
     shutil.copytree(single_rank["save"], bare)
     (bare / ITERATION_DIR / SIDECAR_NAME).unlink()
+    (bare / ITERATION_DIR / DIGESTS_NAME).unlink()  # a training run's save records no digests either
     out = tmp_path / "out"
     argv = ["export", "--load", bare, "--hf-checkpoint", checkpoints["causal-irregular-32E"], "--output", out]
     assert_refused(capsys, argv, ("holds a different model", "num_layers is 4 there", "num_hidden_layers is 6"), out)

@@ -350,3 +350,26 @@ def test_rollout_check_refuses_bad_input_in_one_line(tmp_path: Path, capsys) -> 
         assert main(["rollout-check", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert message in err and err.strip().count("\n") == 0, err
+
+
+def test_digest_span_hashes_across_mapping_windows_and_refuses_short_files(tmp_path: Path) -> None:
+    """io/digests hashes a span window by window over memory mappings: every span, whichever windows it
+    crosses, has the digest of its bytes; a span past the file's end (a truncated copy) never matches."""
+    import os
+
+    import xxhash
+
+    from vime_gemma4_bridge.io import digests
+
+    data = os.urandom(2 * digests._WINDOW + 12345)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    window = digests._WINDOW
+    for offset, length in ((0, None), (5, 100), (window - 3, 10), (4097, window + 7), (len(data) - 10, 10)):
+        expected = data[offset:] if length is None else data[offset : offset + length]
+        assert digests.digest_span(digests.Span(path, offset, length, "t")) == xxhash.xxh3_128_hexdigest(expected)
+    short = digests.Span(path, len(data) - 10, 20, "tensor t")
+    assert digests.check_spans([(short, xxhash.xxh3_128_hexdigest(data[-10:]))]) == (
+        f"blob bytes {len(data) - 10:,}..{len(data) + 10:,} (tensor t) do not match the digest recorded when it "
+        "was written"
+    )

@@ -246,7 +246,9 @@ def _max_shard_bytes(source: Path) -> int:
 
 def _conversion_step(name: str, nbytes: int, nproc: int, topology: Topology, results: list[dict]) -> Step:
     report = results[0]["result"] or {}
-    return _step(name, nbytes, nproc, topology, results, dict(report.get("phases") or {}))
+    step = _step(name, nbytes, nproc, topology, results, dict(report.get("phases") or {}))
+    step.checksum_seconds = float(report.get("checksum_seconds") or 0.0)
+    return step
 
 
 def _step(

@@ -19,6 +19,8 @@ __all__ = ["BenchResult", "Step", "format_report"]
 TARGET_CONVERSION_VS_REFERENCE = 1.5
 TARGET_DOUBLING_RATIO = 2.2
 TARGET_LIVE_VS_COPY = 3.0
+#: Issue 37: recording and checking the digests costs under this share of import + export wall time.
+TARGET_CHECKSUM_OVERHEAD = 0.05
 #: import / export peak extra RSS at ``--quick``: at most this plus one layer's stacked experts.
 TARGET_PEAK_EXTRA_BASE = 1536 * 10**6
 #: import / export peak extra RSS at twice the bytes (``--scaling``), over the first size's.
@@ -42,6 +44,7 @@ class Step:
     extra_rss: int  # max over ranks of (peak - RSS at the step's start)
     phases: dict[str, float] = field(default_factory=dict)
     note: str = ""
+    checksum_seconds: float = 0.0  # of ``seconds``: recording and checking digests (io/digests.py)
 
     @property
     def gb_per_s(self) -> float:
@@ -98,6 +101,13 @@ class BenchResult:
         """Peak extra RSS of ``step`` at ``size`` (default: the first) and :attr:`headline_nproc`."""
         found = self.find(step, self.sizes[0] if size is None else size, self.headline_nproc)
         return found.extra_rss if found else 0
+
+    def checksum_overhead(self) -> float:
+        """Seconds spent on digests over the conversion's wall time, import and export together (headline)."""
+        found = [self.find(step, self.sizes[0], self.headline_nproc) for step in ("import", "export")]
+        if not all(found):
+            return math.nan
+        return sum(s.checksum_seconds for s in found) / sum(s.seconds for s in found)
 
     def live_vs_copy(self) -> float:
         """Live export wall time over the plain copy of the same weights, at the first size (headline nproc)."""
@@ -194,6 +204,11 @@ def format_report(result: BenchResult) -> list[str]:
             live_vs_copy <= TARGET_LIVE_VS_COPY,
             f"{_fmt(live_vs_copy)}x",
         ),
+        _target(
+            f"digests (recorded and checked) < {TARGET_CHECKSUM_OVERHEAD:g} of import + export time",
+            result.checksum_overhead() < TARGET_CHECKSUM_OVERHEAD,
+            _fmt(result.checksum_overhead(), 3),
+        ),
     ]
     for step in ("import", "export"):
         extra = result.peak_extra(step)
@@ -238,7 +253,8 @@ def format_report(result: BenchResult) -> list[str]:
         f"{result.yardstick_key}_mb={experts / 1e6:.1f} import_peak_extra_mb={result.peak_extra('import') / 1e6:.1f} "
         f"export_peak_extra_mb={result.peak_extra('export') / 1e6:.1f} "
         f"live_per_expert_peak_extra_mb={per_expert_extra / 1e6:.1f} "
-        f"live_fp8_gb_per_s={_fmt(fp8.gb_per_s if fp8 else math.nan, 3)}"
+        f"live_fp8_gb_per_s={_fmt(fp8.gb_per_s if fp8 else math.nan, 3)} "
+        f"checksum_overhead={_fmt(result.checksum_overhead(), 3)}"
     )
     return lines
 

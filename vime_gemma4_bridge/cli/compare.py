@@ -15,7 +15,8 @@ cosine per tensor, fingerprints of every routed expert per layer, and a diagnosi
 a broken conversion leaves (duplicated or shifted experts, gate/up halves swapped, q/k/v heads
 permuted, k and v confused, tied lm_head disagreeing with the embedding, layers swapped).
 The first line is 'IDENTICAL: N tensors' or 'DIFFERENT: <most likely cause>'. Exit status: 0 iff
-identical (or every difference within --atol), 1 otherwise, 2 on bad input."""
+identical (or every difference within --atol), 1 otherwise (a shard whose recorded
+digests do not match its bytes too: named), 2 on bad input."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -44,10 +45,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 iff identical (or within --atol), 1 if not, 2 on bad input (one line on stderr)."""
+    from vime_gemma4_bridge.io.digests import DamagedCheckpoint
     from vime_gemma4_bridge.verify.doctor import compare_checkpoints
 
     try:
         report = compare_checkpoints(args.a, args.b, atol=args.atol)
+    except DamagedCheckpoint as error:  # the bytes on disk are bad, not the command line: exit 1
+        return errors.report(PROG, error, debug=args.debug)
     except (ValueError, OSError) as error:
         return errors.refuse(PROG, error)
     if args.json:

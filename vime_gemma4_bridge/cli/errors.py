@@ -20,6 +20,7 @@ _REFUSALS = (
     "PreflightError",
     "UnsupportedCheckpoint",
     "OutputTaken",
+    "DamagedCheckpoint",
 )
 
 

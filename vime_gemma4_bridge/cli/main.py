@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         rollout_check,
         roundtrip,
         tiny,
+        verify_checkpoint,
     )
 
     parser = argparse.ArgumentParser(
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_parser(sub)
     live.add_export_live_parser(sub)
     live.add_verify_parser(sub)
+    verify_checkpoint.add_parser(sub)
     parity.add_parser(sub)
     rollout_check.add_parser(sub)
     import_export.add_parsers(sub)

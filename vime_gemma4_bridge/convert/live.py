@@ -154,9 +154,11 @@ def export_live_job(
     directory is committed atomically (``force`` was checked by the command: an existing ``dump`` is replaced).
     """
     from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.integrity import verify_sources
     from vime_gemma4_bridge.convert.topology import init_model_parallel
 
     init_model_parallel(topology)
+    verify_sources(hf_checkpoint)  # the digests it records, before its bytes are used
     bridge = convert.open_bridge(hf_checkpoint)
     model = convert.build_model(bridge, topology)
     bridge.load_hf_weights(model)

@@ -28,9 +28,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from vime_gemma4_bridge.convert import integrity
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.io import torch_dist
 from vime_gemma4_bridge.io.commit import commit_directory
+from vime_gemma4_bridge.io.digests import hashing_seconds
 from vime_gemma4_bridge.io.torch_dist import (
     ITERATION,
     ITERATION_DIR,
@@ -102,6 +104,8 @@ def import_job(
         if rank0:
             work.mkdir(parents=True)  # from the start: a killed run leaves this hidden directory, never DIR
         with contextlib.redirect_stdout(sys.stderr):
+            with phases("verify", f"checking the digests {hf_checkpoint} records"):
+                integrity.verify_sources(hf_checkpoint)
             with phases("build", f"building the Megatron model at {topology}"):
                 bridge = convert.open_bridge(hf_checkpoint)
                 # Every weight is loaded next, so random init (~3 s/GB) would be wasted; the saved run
@@ -132,6 +136,10 @@ def import_job(
                     "language_model": signature,
                 }
                 (work / ITERATION_DIR / SIDECAR_NAME).write_text(json.dumps(sidecar, indent=1) + "\n")
+            dist.barrier()
+            with phases("digests", "recording the digest of every stored item"):
+                integrity.record_torch_dist_digests(work / ITERATION_DIR, writer=rank0)
+            if rank0:
                 (work / TRACKER_NAME).write_text(f"{ITERATION}\n")  # last: marks the checkpoint complete
                 files, nbytes = _directory_stats(work)
                 commit_directory(work, out, replace=replace)
@@ -151,6 +159,7 @@ def import_job(
                     "seconds": round(time.perf_counter() - start, 3),
                     "gb_per_s": _rate(tensor_bytes, moved),
                     "phases": phases.seconds,
+                    "checksum_seconds": round(phases.seconds["verify"] + phases.seconds["digests"], 3),
                     "checkpoint": {"iteration_dir": str(out / ITERATION_DIR), "files": files, "bytes": nbytes},
                 }
             result = convert.broadcast_from_rank0(result)
@@ -200,6 +209,8 @@ def export_job(
     iteration_dir = TorchDistCheckpoint(load).iteration_dir
     rank0 = convert.is_rank0()
     with contextlib.redirect_stdout(sys.stderr), contextlib.ExitStack() as stack:
+        with phases("verify", "checking the recorded digests of the checkpoints read"):
+            integrity.verify_sources(hf_checkpoint, iteration_dir, language_model=False)
         with phases("build", f"building the Megatron model at {topology}"):
             bridge = convert.open_bridge(hf_checkpoint)
             # Every weight is read next (or streamed past the model): random init would be wasted.
@@ -215,6 +226,7 @@ def export_job(
         result: dict[str, Any] | None = None
         if rank0:
             _check_exported(exported, signature)
+            hashed_before = hashing_seconds()  # the shards' digests, computed as they are written
             with phases("write", f"writing {output}{' in block FP8' if quantize else ''}"):
                 written = hf_io.write_hf_checkpoint(
                     output,
@@ -244,6 +256,7 @@ def export_job(
                 "seconds": round(time.perf_counter() - start, 3),
                 "gb_per_s": _rate(tensor_bytes, moved),
                 "phases": phases.seconds,
+                "checksum_seconds": round(phases.seconds["verify"] + hashing_seconds() - hashed_before, 3),
                 "quantize": quantize,
                 "vllm_block_misfits": fp8.vllm_block_misfits(source.shapes()) if quantize else [],
                 "hf_output": {

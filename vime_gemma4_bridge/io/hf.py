@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX
 from vime_gemma4_bridge.io.commit import atomic_directory, remove_stale_partials
+from vime_gemma4_bridge.io.digests import HF_PREFIX, PLACEHOLDER, DamagedCheckpoint, Hasher, Span, check_spans, hf_spans
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -135,6 +136,18 @@ class HFCheckpoint:
                 f"({len(unindexed)} in all); readers that follow the index would not load it: fix the index"
             )
         return listed
+
+    def digest_spans(self, names: Iterable[str] | None = None) -> list[tuple[Span, str]]:
+        """Each tensor's bytes (all, or ``names``) with the digest its shard's header records (none if not ours)."""
+        return hf_spans(self.path, self.by_shard(self.names() if names is None else names))
+
+    def check_digests(self) -> int:
+        """Refuse (:class:`DamagedCheckpoint`) a tensor whose bytes differ from their digest; the count checked."""
+        spans = self.digest_spans()
+        damaged = check_spans(spans)
+        if damaged:
+            raise DamagedCheckpoint(f"HF checkpoint {self.path} is damaged: {damaged}; copy or write it again")
+        return len(spans)
 
     def names(self) -> list[str]:
         """All tensor names, in file order."""
@@ -318,7 +331,7 @@ def write_hf_checkpoint(
             ]
             if rewrite is not None:
                 ordered = rewrite(ordered)
-            with _progress(f"Writing {out.name}", len(ordered), show_progress) as advance:
+            with progress(f"Writing {out.name}", len(ordered), show_progress) as advance:
                 write_shards(tmp, ordered, max_shard_size, advance=advance)
     except OSError as error:  # disk full, permission denied, read-only file system, ...
         raise write_failed(out, error) from None
@@ -347,11 +360,12 @@ def copy_side_files(source: HFCheckpoint, directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def _progress(description: str, total: int, show: bool) -> Iterator[Callable[[], None]]:
+def progress(description: str, total: int, show: bool) -> Iterator[Callable[[], None]]:
     """A step callback drawing a progress bar on stderr when ``show``, like Megatron-Bridge's (rich)."""
     if not show:
         yield lambda: None
         return
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (
@@ -361,9 +375,9 @@ def _progress(description: str, total: int, show: bool) -> Iterator[Callable[[],
         TimeRemainingColumn(),
         TextColumn("({task.completed}/{task.total})"),
     )
-    with Progress(*columns) as progress:
-        task = progress.add_task(description, total=total)
-        yield lambda: progress.update(task, advance=1)
+    with Progress(*columns, console=Console(stderr=True)) as bar:  # stdout is the report's
+        task = bar.add_task(description, total=total)
+        yield lambda: bar.update(task, advance=1)
 
 
 def write_shards(
@@ -438,7 +452,12 @@ def save_safetensors(
     own ``save_file`` needs every tensor of the file in memory at once; this writer needs one
     piece of a :class:`LazyTensor` at a time, and writes eager tensors without a staging copy.
     The files read back with ``safetensors`` / transformers / vLLM like any other.
+
+    Each tensor's digest is computed from the bytes as they are written and recorded in the header
+    metadata (:mod:`vime_gemma4_bridge.io.digests`): the header is written with placeholders of the
+    same length first and rewritten in place at the end, so no byte is read or produced twice.
     """
+    digests = {name: PLACEHOLDER for name, _ in tensors}
     header: dict[str, object] = {"__metadata__": dict(metadata)}
     offset = 0
     for name, tensor in tensors:
@@ -449,26 +468,38 @@ def save_safetensors(
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
+
+    def encoded_header() -> bytes:
+        header["__metadata__"] = {**metadata, **{HF_PREFIX + name: digest for name, digest in digests.items()}}
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        return encoded + b" " * (-len(encoded) % 8)
+
+    first = encoded_header()
     with open(path, "wb") as handle:
-        handle.write(len(encoded).to_bytes(8, "little"))
-        handle.write(encoded)
+        handle.write(len(first).to_bytes(8, "little"))
+        handle.write(first)
         for name, tensor in tensors:
             pieces = tensor.pieces() if isinstance(tensor, LazyTensor) else iter((tensor,))
-            written = 0
+            hasher, written = Hasher(), 0
             for piece in pieces:
-                written += _write_bytes(handle, piece)
+                written += _write_bytes(handle, piece, hasher)
             if written != tensor_nbytes(tensor):
                 raise CheckpointError(f"{name}: produced {written} bytes, expected {tensor_nbytes(tensor)}")
+            digests[name] = hasher.hexdigest()
             advance()
+        final = encoded_header()
+        if len(final) != len(first):  # cannot happen: every digest has the placeholder's length
+            raise CheckpointError(f"{path}: the header changed length when its digests were filled in")
+        handle.seek(8)
+        handle.write(final)
 
 
-def _write_bytes(handle, tensor: torch.Tensor) -> int:
+def _write_bytes(handle, tensor: torch.Tensor, hasher: Hasher) -> int:
     """Write a CPU tensor's bytes (row-major, native little-endian) without an intermediate copy when contiguous."""
     flat = tensor.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     raw = flat.view(torch.uint8).numpy() if flat.dtype != torch.bool else flat.numpy()
     handle.write(raw.data)
+    hasher.update(raw.data)
     return raw.nbytes

@@ -45,12 +45,19 @@ _ATTN_PROJ_RE = re.compile(r"\.self_attn\.(?P<which>[qkv])_proj\.weight$")
 
 
 def compare_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float | None = None) -> DoctorReport:
-    """Compare checkpoint B against reference A; raises ``CheckpointError`` (a ``ValueError``) on bad input."""
+    """Compare checkpoint B against reference A; raises ``CheckpointError`` (a ``ValueError``) on bad input.
+
+    A checkpoint whose shards record digests is checked against them first (``DamagedCheckpoint``):
+    a damaged file is named as such, not reported as a model that differs.
+    """
     from vime_gemma4_bridge.io.hf import HFCheckpoint
 
     if atol is not None and not atol >= 0:
         raise ValueError(f"--atol must be a number >= 0, got {atol}")
-    return _Comparator(HFCheckpoint(a_path), HFCheckpoint(b_path), atol).run()
+    a, b = HFCheckpoint(a_path), HFCheckpoint(b_path)
+    a.check_digests()
+    b.check_digests()
+    return _Comparator(a, b, atol).run()
 
 
 def _is_expert_tensor(name: str, tensor: torch.Tensor) -> bool:

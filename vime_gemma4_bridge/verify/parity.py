@@ -274,11 +274,13 @@ def parity_job(
     """
     import torch
 
+    from vime_gemma4_bridge.convert.integrity import verify_sources
     from vime_gemma4_bridge.convert.model import broadcast_from_rank0, build_model, is_rank0, open_bridge
     from vime_gemma4_bridge.convert.topology import init_model_parallel
 
     torch_dtype = getattr(torch, dtype)
     init_model_parallel(topology)
+    verify_sources(hf_checkpoint)  # the digests it records, before its bytes are used
     bridge = open_bridge(hf_checkpoint)
     set_checkpoint_dtype(bridge, torch_dtype)
     config = bridge.hf_pretrained.config

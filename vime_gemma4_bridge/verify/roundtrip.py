@@ -24,6 +24,7 @@ def roundtrip_job(
     With ``output``, rank 0 also writes the exported model as a complete HF checkpoint, but only
     when it is bitwise identical (``result["output"]`` is then its path, else ``None``).
     """
+    from vime_gemma4_bridge.convert.integrity import verify_sources
     from vime_gemma4_bridge.convert.model import (
         broadcast_from_rank0,
         build_model,
@@ -36,6 +37,7 @@ def roundtrip_job(
     from vime_gemma4_bridge.verify import report
 
     init_model_parallel(topology)
+    verify_sources(hf_checkpoint)  # the digests it records, before its bytes are used
     with contextlib.redirect_stdout(sys.stderr):  # megatron-core's and the bridge's chatter: stdout is the report's
         bridge = open_bridge(hf_checkpoint)
         model = build_model(bridge, topology)

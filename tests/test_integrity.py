@@ -1,0 +1,191 @@
+"""Checksums on what we write (issue 37, item 1): a flipped byte is named before its tensor is used.
+
+Before: a byte flipped inside a ``.distcp`` item (same size, not a truncation) was exported silently,
+expert stack and embedding alike, on the default path and at EP2. Now ``import`` records a digest (XXH3-128) per
+stored item (``iter_*/vime_gemma4.digests.json``), the HF writer one per tensor (safetensors header
+metadata), and ``export``, ``import``, ``compare`` and ``verify-checkpoint`` check them first.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import shutil
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.convert.torch_dist_jobs import export_job
+from vime_gemma4_bridge.io.digests import DIGESTS_NAME
+from vime_gemma4_bridge.io.torch_dist import ITERATION_DIR
+from vime_gemma4_bridge.runtime.world import RankError
+from vime_gemma4_bridge.testing.spec import TinySpec
+from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
+
+#: Which stored item a test damages: a routed expert's chunk, or the embedding.
+KEYS = {"expert": "experts.linear_fc1.weight", "embedding": "embedding.word_embeddings.weight"}
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny VL MoE imported by ``vime-gemma4 import`` (one rank, in this process), and its export."""
+    from vime_gemma4_bridge.cli import main as cli
+
+    root = tmp_path_factory.mktemp("integrity")
+    hf = write_tiny_checkpoint(root / "hf", TinySpec())
+    save, out = root / "torch_dist", root / "exported"
+    assert cli.main(["import", "--hf-checkpoint", str(hf), "--save", str(save), "--json"]) == 0
+    assert cli.main(["export", "--load", str(save), "--hf-checkpoint", str(hf), "--output", str(out), "--json"]) == 0
+    return {"hf": hf, "save": save, "exported": out}
+
+
+def run_cli(capsys: pytest.CaptureFixture, *argv: object) -> tuple[int, str, str]:
+    from vime_gemma4_bridge.cli import main as cli
+
+    capsys.readouterr()
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _flip_tensor_byte(save: Path, key: str, copy: Path) -> tuple[str, str]:
+    """A copy of ``save`` with one bit flipped inside the data of the first stored chunk of ``key``: (file, chunk)."""
+    from vime_gemma4_bridge.io.torch_dist_reader import _plain_tensor_location
+
+    shutil.copytree(save, copy)
+    record = json.loads((copy / ITERATION_DIR / DIGESTS_NAME).read_text())
+    item = next(i for i in record["items"] if i["key"].endswith(key) and i["chunk"] is not None and i["chunk"][-1] == 0)
+    with open(copy / ITERATION_DIR / item["file"], "r+b") as handle, mmap.mmap(handle.fileno(), 0) as data:
+        start, _, _ = _plain_tensor_location(data, item["offset"], item["length"])
+        data[start + 1] ^= 0x10  # a value's byte: size, zip and pickle intact, so every reader takes it
+    return item["file"], str(item["chunk"])
+
+
+def _named(line: str, *needles: str) -> None:
+    for needle in needles:
+        assert needle in line, line
+    assert "do not match the digest recorded when it was written" in line, line
+
+
+@pytest.mark.parametrize("kind", sorted(KEYS))
+def test_flipped_distcp_byte_is_named_by_export_and_verify_checkpoint(
+    local_world, imported, capsys, tmp_path: Path, kind: str
+) -> None:
+    damaged = tmp_path / "damaged"
+    file, chunk = _flip_tensor_byte(imported["save"], KEYS[kind], damaged)
+    needles = (str(damaged / ITERATION_DIR), file, KEYS[kind], f"shard at {chunk}")
+
+    code, out, err = run_cli(capsys, "verify-checkpoint", damaged)
+    assert code == 1 and out == ""
+    _named(err.strip().splitlines()[-1], *needles)
+
+    output = tmp_path / "out"  # the default path: experts streamed from the files, one rank in this process
+    code, out, err = run_cli(capsys, "export", "--load", damaged, "--hf-checkpoint", imported["hf"], "--output", output)
+    assert code == 1 and out == ""
+    [line] = [line for line in err.splitlines() if line.startswith("vime-gemma4 export: error: ")]
+    _named(line, *needles)
+    assert not output.exists() and not list(tmp_path.glob(".out*")), "nothing may be written"
+
+    from vime_gemma4_bridge.cli.errors import one_line
+
+    job = export_job, str(damaged), str(imported["hf"]), str(tmp_path / "ep2"), Topology(ep=2), False, 1 << 30
+    with pytest.raises(RankError) as failure:  # the EP2 path: megatron-core's loader, two ranks
+        local_world(2).run(*job)
+    _named(one_line(failure.value), *needles)
+    assert not (tmp_path / "ep2").exists()
+
+
+def test_intact_checkpoints_verify_and_the_format_needs_only_hashlib(imported, capsys) -> None:
+    """``verify-checkpoint`` passes both outputs; the documented formats check with xxhash and json alone."""
+    for path, kind in ((imported["save"], "torch_dist"), (imported["exported"], "HF")):
+        code, out, _ = run_cli(capsys, "verify-checkpoint", path)
+        assert code == 0 and out.startswith(f"verify-checkpoint OK: {kind} "), out
+
+    iteration = imported["save"] / ITERATION_DIR  # docs/ARCHITECTURE.md, "Digests": the torch_dist record
+    record = json.loads((iteration / DIGESTS_NAME).read_text())
+    for item in record["items"]:
+        with open(iteration / item["file"], "rb") as handle:
+            handle.seek(item["offset"])
+            assert xxhash.xxh3_128_hexdigest(handle.read(item["length"])) == item["digest"], item
+    for name, digest in record["files"].items():
+        assert xxhash.xxh3_128_hexdigest((iteration / name).read_bytes()) == digest, name
+    assert record["algorithm"] == "xxh3_128"
+    assert {".metadata", "metadata.json", "run_config.yaml", "vime_gemma4.json"} <= set(record["files"])
+
+    tensors = 0  # the HF shards: xxh3_128:<name> in the header metadata, over the tensor's data_offsets
+    for shard in sorted(imported["exported"].glob("*.safetensors")):
+        data = shard.read_bytes()
+        size = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + size])
+        for name, entry in header.items():
+            if name != "__metadata__":
+                begin, end = entry["data_offsets"]
+                digest = xxhash.xxh3_128_hexdigest(data[8 + size + begin : 8 + size + end])
+                assert header["__metadata__"][f"xxh3_128:{name}"] == digest, name
+                tensors += 1
+    assert tensors > 100
+
+
+def test_flipped_hf_byte_is_named_by_import_compare_and_verify_checkpoint(imported, capsys, tmp_path: Path) -> None:
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(imported["exported"], damaged)
+    name = next(n for n in HFCheckpoint(damaged).language_model_names() if n.endswith("experts.down_proj"))
+    location = HFCheckpoint(damaged).locate(name)
+    with open(location.file, "r+b") as handle:
+        handle.seek(location.offset + 3)
+        byte = handle.read(1)[0]
+        handle.seek(location.offset + 3)
+        handle.write(bytes([byte ^ 0x01]))
+    needles = (str(damaged), location.file.name, f"tensor {name}")
+
+    save = tmp_path / "save"
+    for argv in (
+        ["import", "--hf-checkpoint", damaged, "--save", save],
+        ["compare", imported["exported"], damaged],
+        ["verify-checkpoint", damaged],
+    ):
+        code, out, err = run_cli(capsys, *argv)
+        assert code == 1 and out == "", (argv, out)
+        [line] = [line for line in err.splitlines() if line.startswith(f"vime-gemma4 {argv[0]}: error: ")]
+        _named(line, *needles)
+    assert not save.exists() and not list(tmp_path.glob(".save*"))
+
+
+def test_verify_checkpoint_refuses_what_records_no_digests_or_a_damaged_record(
+    imported, capsys, tmp_path: Path
+) -> None:
+    """A Hub-style checkpoint (transformers' writer) and a training save have nothing to check against: exit 2;
+    a damaged whole file (the run config) and an unreadable record are named."""
+    code, _, err = run_cli(capsys, "verify-checkpoint", imported["hf"])
+    assert code == 2 and "records no digests" in err, err
+
+    bare = tmp_path / "bare"
+    shutil.copytree(imported["save"], bare)
+    (bare / ITERATION_DIR / DIGESTS_NAME).unlink()
+    code, _, err = run_cli(capsys, "verify-checkpoint", bare)
+    assert code == 2 and "records no digests" in err and "present and complete" in err, err
+
+    edited = tmp_path / "edited"
+    shutil.copytree(imported["save"], edited)
+    run_config = edited / ITERATION_DIR / "run_config.yaml"
+    run_config.write_text(run_config.read_text().replace("num_layers: 4", "num_layers: 5"))
+    code, _, err = run_cli(capsys, "verify-checkpoint", edited)
+    assert code == 1, err
+    _named(err.strip().splitlines()[-1], "run_config.yaml", "file run_config.yaml")
+
+    gone = tmp_path / "gone"
+    shutil.copytree(imported["save"], gone)
+    (gone / ITERATION_DIR / "run_config.yaml").unlink()
+    code, _, err = run_cli(capsys, "verify-checkpoint", gone)
+    assert code == 1 and "run_config.yaml (file run_config.yaml) is missing" in err, err
+
+    torn = tmp_path / "torn"
+    shutil.copytree(imported["save"], torn)
+    record = torn / ITERATION_DIR / DIGESTS_NAME
+    record.write_text(record.read_text()[:100])
+    code, _, err = run_cli(capsys, "verify-checkpoint", torn)
+    assert code == 2 and f"{record} is damaged" in err, err

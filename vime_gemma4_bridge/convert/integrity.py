@@ -1,0 +1,88 @@
+"""The digests of :mod:`vime_gemma4_bridge.io.digests` inside a job: recorded and checked by all ranks together.
+
+Each rank hashes every ``world_size``-th span and the ranks exchange the results, so recording or
+checking costs one pass over the bytes split over the ranks. A damaged span fails every rank with
+the same one-line :class:`~vime_gemma4_bridge.io.digests.DamagedCheckpoint` (exit 1) before any
+byte of the checkpoint is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from vime_gemma4_bridge.io.digests import (
+    DamagedCheckpoint,
+    Span,
+    check_spans,
+    digest_spans,
+    torch_dist_entries,
+    torch_dist_spans,
+    write_torch_dist_digests,
+)
+from vime_gemma4_bridge.io.hf import HFCheckpoint
+
+__all__ = ["record_torch_dist_digests", "verify_sources"]
+
+
+def _share() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _gathered(mine: object) -> list:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [mine]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def _shared_digests(spans: list[Span]) -> list[str]:
+    rank, world = _share()
+    shares = _gathered(digest_spans(spans[rank::world]))
+    digests = [""] * len(spans)
+    for r, share in enumerate(shares):
+        digests[r::world] = share
+    return digests
+
+
+def record_torch_dist_digests(iteration_dir: Path, writer: bool) -> None:
+    """Record a complete torch_dist directory's digests (collective; ``writer`` writes the file)."""
+    entries = torch_dist_entries(iteration_dir)
+    digests = _shared_digests([entry.span for entry in entries])
+    if writer:
+        write_torch_dist_digests(iteration_dir, entries, digests)
+
+
+def _check_shared(expected: Sequence[tuple[Span, str]], where: str, remedy: str) -> int:
+    rank, world = _share()
+    damaged = [found for found in _gathered(check_spans(list(expected)[rank::world])) if found]
+    if damaged:
+        raise DamagedCheckpoint(f"{where} is damaged: {damaged[0]}; {remedy}")
+    return len(expected)
+
+
+def verify_sources(
+    hf_checkpoint: str | Path | None = None, torch_dist_dir: Path | None = None, *, language_model: bool = True
+) -> int:
+    """Check the recorded digests of a job's inputs before it reads them (collective); the number of spans checked.
+
+    ``language_model=False``: of the HF checkpoint, only the tensors outside the language model (an export
+    takes the language model from the torch_dist checkpoint and the rest from the HF one).
+    """
+    checked = 0
+    if torch_dist_dir is not None:
+        spans = torch_dist_spans(torch_dist_dir)
+        if spans is not None:
+            remedy = "copy it again or re-create it with vime-gemma4 import"
+            checked += _check_shared(spans, f"torch_dist checkpoint {torch_dist_dir}", remedy)
+    if hf_checkpoint is not None:
+        source = HFCheckpoint(hf_checkpoint)
+        language = set(source.language_model_names())
+        names = None if language_model else [name for name in source.names() if name not in language]
+        checked += _check_shared(source.digest_spans(names), f"HF checkpoint {source.path}", "copy or write it again")
+    return checked
