@@ -68,7 +68,7 @@ def _spans(path: Path) -> tuple[str, Path, list]:
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 iff every recorded digest matches, 1 if one does not, 2 on bad input or no digests."""
-    from vime_gemma4_bridge.io.digests import DamagedCheckpoint, check_spans
+    from vime_gemma4_bridge.io.digests import check_spans, damaged
     from vime_gemma4_bridge.io.hf import progress
 
     try:
@@ -76,11 +76,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         return errors.refuse(PROG, error)
     with progress(f"Checking {where.name}", len(spans), not args.json) as advance:
-        damaged = check_spans(spans, advance=advance)
-    if damaged:
-        remedy = "re-create it with vime-gemma4 import" if kind == "torch_dist" else "copy or write it again"
-        error = DamagedCheckpoint(f"{kind} checkpoint {where} is damaged: {damaged}; {remedy}")
-        return errors.report(PROG, error, debug=False)
+        found = check_spans(spans, advance=advance)
+    if found:
+        return errors.report(PROG, damaged(kind, where, found), debug=False)
     nbytes = sum(span.length if span.length is not None else span.file.stat().st_size for span, _ in spans)
     files = len({span.file for span, _ in spans})
     if args.json:

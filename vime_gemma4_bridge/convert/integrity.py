@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from vime_gemma4_bridge.io.digests import (
-    DamagedCheckpoint,
     Span,
     check_spans,
+    damaged,
     digest_spans,
     torch_dist_entries,
     torch_dist_spans,
@@ -58,11 +58,11 @@ def record_torch_dist_digests(iteration_dir: Path, writer: bool) -> None:
         write_torch_dist_digests(iteration_dir, entries, digests)
 
 
-def _check_shared(expected: Sequence[tuple[Span, str]], where: str, remedy: str) -> int:
+def _check_shared(expected: Sequence[tuple[Span, str]], kind: str, path: Path) -> int:
     rank, world = _share()
-    damaged = [found for found in _gathered(check_spans(list(expected)[rank::world])) if found]
-    if damaged:
-        raise DamagedCheckpoint(f"{where} is damaged: {damaged[0]}; {remedy}")
+    found = [description for description in _gathered(check_spans(list(expected)[rank::world])) if description]
+    if found:
+        raise damaged(kind, path, found[0])
     return len(expected)
 
 
@@ -78,11 +78,12 @@ def verify_sources(
     if torch_dist_dir is not None:
         spans = torch_dist_spans(torch_dist_dir)
         if spans is not None:
-            remedy = "copy it again or re-create it with vime-gemma4 import"
-            checked += _check_shared(spans, f"torch_dist checkpoint {torch_dist_dir}", remedy)
+            checked += _check_shared(spans, "torch_dist", torch_dist_dir)
     if hf_checkpoint is not None:
         source = HFCheckpoint(hf_checkpoint)
-        language = set(source.language_model_names())
-        names = None if language_model else [name for name in source.names() if name not in language]
-        checked += _check_shared(source.digest_spans(names), f"HF checkpoint {source.path}", "copy or write it again")
+        names = None
+        if not language_model:
+            language = set(source.language_model_names())
+            names = [name for name in source.names() if name not in language]
+        checked += _check_shared(source.digest_spans(names), "HF", source.path)
     return checked

@@ -9,7 +9,7 @@ command that reads one checks them first and names the damaged file, tensor and 
 Why XXH3-128 and not sha256: the digests guard against damage, not tampering (a checkpoint already
 runs no code: :mod:`~vime_gemma4_bridge.io.safe_pickle`), and recording and checking cost a pass over
 the bytes each. sha256 hashes ~1.8 GB/s on a core here, XXH3 ~22 GB/s: with sha256 the digests took
-55% of an import plus export (``bench --quick``), with XXH3 a few percent. The ``xxhash`` package is
+55% of an import plus export (``bench --quick``), with XXH3 16-20% (README, Performance). ``xxhash`` is
 Megatron-Bridge's own (through ``datasets``); ``xxh128sum`` checks a whole file.
 
 Both formats are checkable with the ``xxhash`` package alone (no part of this package), as
@@ -58,6 +58,7 @@ __all__ = [
     "Hasher",
     "Span",
     "check_spans",
+    "damaged",
     "digest_spans",
     "hashing_seconds",
     "hf_spans",
@@ -80,6 +81,15 @@ _clock = [0.0]
 
 class DamagedCheckpoint(ValueError):
     """Stored bytes differ from the digest recorded when they were written (exit 1: the data is bad, not the call)."""
+
+
+#: What to do about a damaged checkpoint, by its kind.
+REMEDIES = {"torch_dist": "copy it again or re-create it with vime-gemma4 import", "HF": "copy or write it again"}
+
+
+def damaged(kind: str, path: Path | str, found: str) -> DamagedCheckpoint:
+    """The one-line error for a ``kind`` checkpoint at ``path`` whose :func:`check_spans` found ``found``."""
+    return DamagedCheckpoint(f"{kind} checkpoint {path} is damaged: {found}; {REMEDIES[kind]}")
 
 
 def hashing_seconds() -> float:
@@ -220,15 +230,16 @@ def torch_dist_spans(iteration_dir: Path) -> list[tuple[Span, str]] | None:
         record = json.loads(path.read_text())
         if record.get("format") != DIGESTS_FORMAT or record.get("algorithm") != ALGORITHM:
             raise ValueError(f"format {record.get('format')!r}")
-        spans = [
-            (Span(iteration_dir / i["file"], int(i["offset"]), int(i["length"]), _what(i["key"], i["chunk"])), hex_)
-            for i in record["items"]
-            for hex_ in (i["digest"],)
-        ]
+        spans = [(_item_span(iteration_dir, item), item["digest"]) for item in record["items"]]
         spans += [(Span(iteration_dir / name, 0, None, f"file {name}"), hex_) for name, hex_ in record["files"].items()]
     except (ValueError, KeyError, TypeError) as error:
         raise ConversionError(f"{path} is damaged ({error}); the checkpoint's digests cannot be read") from None
     return spans
+
+
+def _item_span(iteration_dir: Path, item: Mapping[str, Any]) -> Span:
+    what = _what(item["key"], item["chunk"])
+    return Span(iteration_dir / item["file"], int(item["offset"]), int(item["length"]), what)
 
 
 def _what(key: str, chunk: list[int] | None) -> str:

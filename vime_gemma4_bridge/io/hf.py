@@ -30,7 +30,7 @@ from safetensors import safe_open
 
 from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX
 from vime_gemma4_bridge.io.commit import atomic_directory, remove_stale_partials
-from vime_gemma4_bridge.io.digests import HF_PREFIX, PLACEHOLDER, DamagedCheckpoint, Hasher, Span, check_spans, hf_spans
+from vime_gemma4_bridge.io.digests import HF_PREFIX, PLACEHOLDER, Hasher, Span, check_spans, damaged, hf_spans
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -144,9 +144,9 @@ class HFCheckpoint:
     def check_digests(self) -> int:
         """Refuse (:class:`DamagedCheckpoint`) a tensor whose bytes differ from their digest; the count checked."""
         spans = self.digest_spans()
-        damaged = check_spans(spans)
-        if damaged:
-            raise DamagedCheckpoint(f"HF checkpoint {self.path} is damaged: {damaged}; copy or write it again")
+        found = check_spans(spans)
+        if found:
+            raise damaged("HF", self.path, found)
         return len(spans)
 
     def names(self) -> list[str]:
