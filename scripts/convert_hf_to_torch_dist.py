@@ -32,4 +32,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vime_gemma4_bridge.cli.errors import exit_program
+
+    exit_program(main())

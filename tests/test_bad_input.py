@@ -484,6 +484,62 @@ def test_interrupt_removes_partial_output(good, tmp_path, sig, status) -> None:
     assert leftovers(tmp_path, "out") == [] and digest(good) == before
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` now (from /proc: the rank processes of a launcher, and theirs)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                alive.append(pid)
+    return alive
+
+
+@pytest.mark.parametrize("run", range(5))
+def test_export_live_interrupted_mid_stream_leaves_nothing(good, tmp_path, run) -> None:
+    """SIGINT while export-live streams (its dump's partial exists), at 5 moments, on 2 local ranks and in
+    process: exit 130 (or 0 saying the dump was complete), no partial, no rank process left. Before, rank
+    0's partial stayed behind when the launcher killed the world, and a signal in the interpreter's
+    teardown after a complete run ended it by SIGINT (-2) without a word (cli/errors.exit_program)."""
+    dump = tmp_path / "dump"
+    ranks = ["--nproc", "2"] if run % 2 == 0 else []
+    argv = ["export-live", "--hf-checkpoint", str(good), "--buffer-size", "20000", "--dump", str(dump), *ranks]
+    command = [sys.executable, "-m", "vime_gemma4_bridge.cli", *argv]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_partial(proc, tmp_path, "dump")
+    time.sleep([0.0, 0.0, 0.02, 0.05, 0.1][run])
+    below = _descendants(proc.pid)
+    assert below or not ranks, "the local ranks must be running"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    last = err.splitlines()[-1]
+    if proc.returncode == 0:  # the dump was committed first: said by the interrupt, or by the report (signal too late)
+        said = {f"vime-gemma4 export-live: interrupted after {dump} was complete; it is kept"}
+        assert last in said or out.rstrip().endswith(f"-> {dump}"), (out, err[-2000:])
+        assert leftovers(tmp_path, "dump") == ["dump"] and (dump / "model.safetensors.index.json").is_file()
+    else:
+        assert proc.returncode == 130, err[-2000:]
+        assert last == f"vime-gemma4 export-live: interrupted; {dump} was not written", err[-2000:]
+        assert leftovers(tmp_path, "dump") == []
+    deadline = time.monotonic() + 10
+    while _alive(below) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(below), f"processes left behind: {_alive(below)}"
+
+
 def test_signal_after_the_commit_is_no_failure(good, tmp_path, capsys, monkeypatch) -> None:
     """SIGTERM right after ``import`` put its output in place: exit 0, the output complete and kept."""
     from vime_gemma4_bridge.convert import torch_dist_jobs

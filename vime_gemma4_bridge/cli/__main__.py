@@ -1,7 +1,5 @@
 """``python -m vime_gemma4_bridge.cli``: the ``vime-gemma4`` command, where the script is not on PATH (recipes)."""
 
-import sys
+from vime_gemma4_bridge.cli.main import program
 
-from vime_gemma4_bridge.cli.main import main
-
-sys.exit(main())
+program()

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import traceback
+from typing import NoReturn
 
 #: Our refusal types: their message is the whole story, the exception name adds nothing.
 _REFUSALS = (
@@ -35,6 +36,18 @@ def interrupted_status(interrupt: KeyboardInterrupt) -> int:
 
 def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated()
+
+
+def exit_program(status: int) -> NoReturn:
+    """End the program with a finished command's exit status; a SIGINT / SIGTERM from now on changes nothing.
+
+    The command's outcome is decided and reported (its output committed or removed, its ranks gone);
+    Python's default SIGINT handling would still raise in the interpreter's teardown and end the
+    process by the signal, with no word (exit -2), after a complete, reported run.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(status)
 
 
 def one_line(error: BaseException) -> str:
@@ -94,9 +107,13 @@ def run_command(prog: str, args: argparse.Namespace) -> int:
     130 / 143; the rank processes of a local world end with it. A signal that arrives once the
     output was committed (``args.output_arg`` names the command's output argument) is no failure:
     the output is complete and stays, the command exits 0 and says so.
+
+    After an interrupt or a failure (any non-zero status) the partials of the output whose writer is gone are removed
+    (:func:`~vime_gemma4_bridge.io.commit.remove_stale_partials`): a rank that named and wrote its own
+    partial (``export-live``'s rank 0) was killed with its world and could not clean up itself.
     """
     from vime_gemma4_bridge.compat import quiet
-    from vime_gemma4_bridge.io.commit import committed_since, identity
+    from vime_gemma4_bridge.io.commit import committed_since, identity, remove_stale_partials
     from vime_gemma4_bridge.runtime.world import VERBOSE_ENV
 
     if getattr(args, "verbose", False):
@@ -107,8 +124,14 @@ def run_command(prog: str, args: argparse.Namespace) -> int:
     before = identity(output) if output is not None else None
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt as interrupt:  # the local ranks are gone (LocalWorld kills them first)
+        status = None
+        try:
+            status = int(args.func(args) or 0)
+            return status
+        finally:
+            if output is not None and status != 0:  # the local ranks are gone (LocalWorld kills them first)
+                remove_stale_partials(output)
+    except KeyboardInterrupt as interrupt:
         if output is not None and committed_since(output, before):
             print(f"{prog}: interrupted after {output} was complete; it is kept", file=sys.stderr)
             return 0

@@ -58,3 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     return errors.run_command(f"vime-gemma4 {args.command}", args)
+
+
+def program() -> None:
+    """The ``vime-gemma4`` console script: :func:`main` on ``sys.argv``, then exit with its status."""
+    errors.exit_program(main())

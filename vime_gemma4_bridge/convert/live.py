@@ -26,6 +26,7 @@ import contextlib
 import json
 import re
 import shutil
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -159,9 +160,10 @@ def export_live_job(
 
     init_model_parallel(topology)
     verify_sources(hf_checkpoint)  # the digests it records, before its bytes are used
-    bridge = convert.open_bridge(hf_checkpoint)
-    model = convert.build_model(bridge, topology)
-    bridge.load_hf_weights(model)
+    with contextlib.redirect_stdout(sys.stderr):  # megatron-core's and the bridge's chatter: stdout is the report's
+        bridge = convert.open_bridge(hf_checkpoint)
+        model = convert.build_model(bridge, topology)
+        bridge.load_hf_weights(model)
     writer = convert.is_rank0()
     out = Path(dump)
     result: dict[str, Any] | None = None
