@@ -331,6 +331,57 @@ def test_ranks_die_with_a_killed_owner() -> None:
     assert _wait_until_gone(pids, 10) == [], "ranks outlived the owner they serve"
 
 
+_TORCHRUN_JOB = """
+import os, sys, time
+import torch.distributed as dist
+from vime_gemma4_bridge.io.commit import partial_path
+from vime_gemma4_bridge.runtime.launch import launch
+
+def job(out):
+    if dist.get_rank() == 0:
+        partial_path(out).mkdir()  # what a command writes into until it commits
+    with open(f"{out}.pid{dist.get_rank()}", "w") as f:
+        f.write(str(os.getpid()))
+    while True:  # in collectives: a peer that ends first breaks them
+        dist.barrier()
+        time.sleep(0.05)
+
+launch(None, job, sys.argv[1])
+"""
+
+
+def test_ranks_end_quietly_with_a_killed_torchrun(tmp_path: Path) -> None:
+    """SIGKILL of torchrun: its ranks end within seconds, print nothing, and rank 0's partial output is gone.
+
+    Before: they went on (a stopped run committed its output) or waited in a collective for gloo's
+    timeout, then printed C++ ``DistNetworkError`` traces.
+    """
+    torchrun = Path(sys.executable).parent / "torchrun"
+    script = tmp_path / "job.py"
+    script.write_text(_TORCHRUN_JOB)
+    launcher = subprocess.Popen(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path / "out")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(pid_files := sorted(tmp_path.glob("out.pid*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)  # both ranks in their barriers
+        pids = [int(f.read_text()) for f in pid_files]
+        assert len(pids) == 2, "the ranks did not start"
+    finally:
+        launcher.kill()
+        launcher.wait(30)
+    assert _wait_until_gone(pids, 10) == [], "ranks outlived the torchrun that launched them"
+    printed = launcher.stderr.read()
+    assert not [line for line in printed.splitlines() if "Traceback" in line or "Error" in line], printed
+    assert list(tmp_path.glob(".out.partial*")) == [], "rank 0's partial output was left"
+
+
 # --------------------------------------------------------------------------------------------
 # (d) Topology and command-line helpers
 # --------------------------------------------------------------------------------------------

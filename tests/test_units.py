@@ -373,3 +373,38 @@ def test_digest_span_hashes_across_mapping_windows_and_refuses_short_files(tmp_p
         f"blob bytes {len(data) - 10:,}..{len(data) + 10:,} (tensor t) do not match the digest recorded when it "
         "was written"
     )
+
+
+def test_remove_own_partials_spares_the_output_set_aside(tmp_path: Path) -> None:
+    """What a rank removes when its launcher is gone: its uncommitted partials, never an output, old or new."""
+    from vime_gemma4_bridge.io import commit
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old").write_text("the previous output")
+    writing = commit.partial_path(out)
+    writing.mkdir()
+    (writing / "new").write_text("complete")
+    replace = commit.os.replace
+    aside: list[Path] = []
+
+    def end_mid_commit(src, dst):  # the launcher goes between setting the old output aside and the new in
+        replace(src, dst)
+        if Path(src) == out:
+            aside.append(Path(dst))
+            commit.remove_own_partials()
+            assert not writing.exists() and (Path(dst) / "old").exists()
+
+    commit.os.replace = end_mid_commit
+    try:
+        with pytest.raises(FileNotFoundError):
+            commit.commit_directory(writing, out)
+    finally:
+        commit.os.replace = replace
+    assert aside, "the commit did not set the old output aside"
+    assert (out / "old").read_text() == "the previous output", "the old output was not put back"
+    committed = commit.partial_path(out)
+    committed.mkdir()
+    commit.commit_directory(committed, out)
+    commit.remove_own_partials()
+    assert out.is_dir() and not (out / "old").exists(), "a committed output was removed"

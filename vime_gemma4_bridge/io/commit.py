@@ -34,11 +34,32 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+#: The partials this process named for writing (:func:`partial_path`), for :func:`remove_own_partials`.
+_OWN: set[Path] = set()
+
 
 def partial_path(out: str | os.PathLike) -> Path:
     """A fresh hidden sibling name for writing ``out``: ``.NAME.partial-<pid>-<random>`` (not created)."""
+    partial = _sibling(out)
+    _OWN.add(partial)
+    return partial
+
+
+def _sibling(out: str | os.PathLike) -> Path:
     out = Path(out)
     return out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def remove_own_partials() -> None:
+    """Remove what this process was writing and never committed: it is ending without its job's clean-up.
+
+    For a rank whose launcher was killed (:func:`~vime_gemma4_bridge.runtime.launch.launch`): its
+    ``.partial-<pid>`` name would otherwise wait, its writer gone, for the next run to remove it.
+    A committed partial is at its output by now, and an old output set aside by a commit in progress
+    is not among these (it may be the only copy).
+    """
+    for partial in list(_OWN):
+        _remove(partial)
 
 
 class OutputTaken(ValueError):
@@ -104,7 +125,7 @@ def commit_directory(partial: str | os.PathLike, out: str | os.PathLike, *, repl
     _apply_umask(partial)
     aside = None
     if out.exists() or out.is_symlink():
-        aside = partial_path(out)
+        aside = _sibling(out)
         os.replace(out, aside)
     try:
         os.replace(partial, out)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 #: The address rank processes and their TCP store use on this host.
@@ -41,6 +43,48 @@ def in_torchrun() -> bool:
     checks for an initialised process group first.
     """
     return all(os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+#: This process's parent when it started, as near as this module knows: it is imported before torch,
+#: whose import takes seconds in which a launcher may already be gone.
+PARENT_AT_START = os.getppid()
+#: The parent :func:`watch_parent` watches (none before it is called).
+_WATCHED: list[int] = []
+
+
+def watch_parent(on_gone: Callable[[], object], *, parent: int | None = None, owner_pid: int | None = None) -> None:
+    """Call ``on_gone`` (which ends the process) from a daemon thread once this process's parent is gone.
+
+    Why: a rank blocked in a collective waits for peers, and a store, that its launcher's death
+    (SIGKILL: no clean-up runs) took away; gloo and the TCP store give up only after their timeouts,
+    with C++ stack traces. Re-parenting is the tell: ``parent`` (default: the parent now) is the one
+    the process had; ``owner_pid`` (a process that is not the parent, e.g. behind a fork server) is
+    watched too, in case it died before this started.
+    """
+    parent = os.getppid() if parent is None else parent
+    _WATCHED[:] = [parent]
+
+    def watch() -> None:
+        while os.getppid() == parent and (owner_pid is None or _exists(owner_pid)):
+            time.sleep(0.5)
+        on_gone()
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def parent_gone() -> bool:
+    """Whether this process's parent, watched by :func:`watch_parent`, has gone (maybe before the watch noticed)."""
+    return bool(_WATCHED) and os.getppid() != _WATCHED[0]
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # PermissionError: it exists, under another user
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def init_from_env(backend: str | None = None) -> None:

@@ -7,7 +7,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from vime_gemma4_bridge.runtime.group import in_torchrun, init_from_env, single_process_group
+from vime_gemma4_bridge.runtime.group import (
+    PARENT_AT_START,
+    in_torchrun,
+    init_from_env,
+    parent_gone,
+    single_process_group,
+    watch_parent,
+)
 from vime_gemma4_bridge.runtime.world import run_ranks
 
 
@@ -43,7 +50,8 @@ def launch(nproc: int | None, fn: Callable[..., Any], /, *args: Any, **kwargs: A
       all ranks' results;
     * already inside a process group (a ``LocalWorld`` rank) → call ``fn`` here: ``[result]``;
     * under torchrun → :func:`~vime_gemma4_bridge.runtime.group.init_from_env`, call ``fn`` on this
-      rank: ``[result]``;
+      rank: ``[result]``; should torchrun die (SIGKILL), the rank removes the output it was writing
+      and ends at once, silently (:func:`_end_without_launcher`);
     * otherwise → a one-rank world in this process
       (:func:`~vime_gemma4_bridge.runtime.group.single_process_group`): ``[result]``.
 
@@ -57,7 +65,27 @@ def launch(nproc: int | None, fn: Callable[..., Any], /, *args: Any, **kwargs: A
     if dist.is_initialized():
         return [fn(*args, **kwargs)]
     if in_torchrun():
+        watch_parent(_end_without_launcher, parent=PARENT_AT_START)  # before init: the store is torchrun's
         init_from_env()
-        return [fn(*args, **kwargs)]
+        try:
+            return [fn(*args, **kwargs)]
+        except BaseException:
+            if parent_gone():  # a peer that ended with the launcher broke this rank's collective
+                _end_without_launcher()
+            raise
     with single_process_group():
         return [fn(*args, **kwargs)]
+
+
+def _end_without_launcher() -> None:
+    """torchrun is gone: nobody reads this rank's outcome, and its peers lose theirs as it did.
+
+    Without this the ranks would finish the job (a run that was stopped commits its output), or wait
+    in a collective for a peer or the store until gloo's timeout and print C++ stack traces.
+    """
+    from vime_gemma4_bridge.io.commit import remove_own_partials
+
+    try:
+        remove_own_partials()
+    finally:
+        os._exit(1)

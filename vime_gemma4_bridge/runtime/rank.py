@@ -18,7 +18,6 @@ import pickle
 import signal
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -37,7 +36,9 @@ def bootstrap(rank_kwargs: dict[str, Any]) -> None:
     # Own process group: the parent kills the rank together with anything it spawned.
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
-    threading.Thread(target=_watch_owner, args=(kw["parent_pid"],), name="owner-watch", daemon=True).start()
+    from vime_gemma4_bridge.runtime.group import watch_parent
+
+    watch_parent(_end_with_owner, owner_pid=kw["parent_pid"])
 
     # The owner's environment as it was at start-up: a forked rank would otherwise keep its fork
     # server's, which dates from the first world.
@@ -69,29 +70,14 @@ def bootstrap(rank_kwargs: dict[str, Any]) -> None:
     serve(threads=threads, **kw)
 
 
-def _watch_owner(owner_pid: int) -> None:
-    # A rank blocked in a collective never reads its pipe again; if the world's owner dies without
-    # closing it (SIGKILL, crash), take the rank and its own children down with it. A spawned rank's
-    # parent is the owner; a forked one's is the fork server, which exits with the owner. Either way
-    # the rank is re-parented, and the owner's pid is checked too in case it died before this started.
-    parent = os.getppid()
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent or not _exists(owner_pid):
-            try:
-                os.killpg(0, signal.SIGKILL)
-            finally:
-                os._exit(1)
-
-
-def _exists(pid: int) -> bool:
+def _end_with_owner() -> None:
+    # A rank blocked in a collective never reads its pipe again; once the world's owner is gone
+    # without closing it (SIGKILL, crash), take the rank and its own children down with it. A spawned
+    # rank's parent is the owner; a forked one's is the fork server, which exits with the owner.
     try:
-        os.kill(pid, 0)  # PermissionError: it exists, under another user
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+        os.killpg(0, signal.SIGKILL)
+    finally:
+        os._exit(1)
 
 
 def prepare_imports(preload: Sequence[str]) -> None:
