@@ -1,9 +1,10 @@
-"""The dense Gemma 4 family (issue 22): tiny 31B-, E4B- and E2B-shaped checkpoints, on real gloo CPU ranks.
+"""The dense Gemma 4 family (issues 22, 36): tiny 31B-, E4B-, E2B- and 12B-shaped checkpoints, on gloo CPU ranks.
 
 What is special in each (testing/spec.DENSE_SHAPES): 31B, k_eq_v full layers with their own KV-head
 count, no PLE; E4B, per-layer embeddings and the last half of the layers KV-shared; E2B, PLE, five
 of eight layers KV-shared (their sources on the first pipeline stage at PP2) with a double-wide
-MLP. Each must round-trip bitwise at TP2·PP2 and PP2·VPP2 on the release and on the fork double,
+MLP; 12B, the "Unified" classes (no PLE; embedders beside the text model) and one global KV head,
+replicated over TP ranks. Each must round-trip bitwise at TP2·PP2 and PP2·VPP2 on the release and on the fork double,
 match transformers' fp32 forward at TP2·PP2, convert through torch_dist across topologies, and
 pass vime's weight sync. Worlds of 4 and 2 ranks are shared by every case of their size.
 """
@@ -49,14 +50,22 @@ def test_kv_shared_layers_have_no_kv_weights(family) -> None:
     assert any(name.endswith("layers.3.self_attn.q_proj.weight") for name in shared)
 
 
-def test_family_streamed_default_import_loads_at_pp2_vpp2(local_world, family, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["e4b", "12b"])
+def test_family_streamed_default_import_loads_at_pp2_vpp2(local_world, family, tmp_path: Path, name: str) -> None:
     """At the default topology import and export stream a dense model weight by weight (one tensor in
-    flight: the PLE table is the largest); the streamed torch_dist loads in megatron-core at PP2·VPP2."""
+    flight: the PLE table is the largest); the streamed torch_dist loads in megatron-core at PP2·VPP2.
+    Every tensor of the export equals the source's: the 12B's vision and audio embedders are copied."""
     from test_torch_dist import assert_same_checkpoint
 
     from vime_gemma4_bridge.convert.torch_dist_jobs import export_job, import_job
 
-    hf, save = family["e4b"], tmp_path / "torch_dist"
+    hf, save = family[name], tmp_path / "torch_dist"
+    if name == "12b":
+        outside = [n for n in HFCheckpoint(hf).names() if not n.startswith("model.language_model.")]
+        assert (
+            any(n.startswith("model.vision_embedder.") for n in outside)
+            and "model.embed_audio.embedding_projection.weight" in outside
+        )
     report = local_world(1).run(import_job, str(hf), str(save), str(tmp_path / ".partial"), Topology())[0]
     assert report["experts_streamed"], "the default-topology import of a dense model no longer streams"
     for topology, world in ((Topology(), 1), (PP2_VPP2, 2)):

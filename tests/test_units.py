@@ -34,6 +34,8 @@ SPECS = {
     ),
     "moe-no-k-eq-v": TinySpec(attention_k_eq_v=False),
     "dense-vl": TinySpec(moe=False),
+    "unified-vl": TinySpec(moe=False, unified=True, per_layer_input_size=0, global_kv_heads=1),
+    "unified-causal": TinySpec(moe=False, unified=True, per_layer_input_size=0, causal_lm=True),
 }
 
 
@@ -57,6 +59,8 @@ def test_mapping_table_names_exactly_the_language_model(tiny: dict[str, Path], n
     registry = build_registry(table, checkpoint.prefix)
     expected = list(expected_language_model(checkpoint))
     assert [n for n in expected if registry.hf_to_megatron_lookup(n) is None] == [], "HF tensors without a mapping"
+    if not SPECS[name].moe and not SPECS[name].per_layer_input_size:
+        return  # a member without PLE (the 12B) leaves the table's PLE rows unused
     for _, megatron_name, hf in table:
         names = hf.values() if isinstance(hf, dict) else [hf]
         patterns = [re.escape(checkpoint.prefix + n).replace(r"\*", r"\d+") for n in names]
@@ -408,3 +412,33 @@ def test_remove_own_partials_spares_the_output_set_aside(tmp_path: Path) -> None
     commit.commit_directory(committed, out)
     commit.remove_own_partials()
     assert out.is_dir() and not (out / "old").exists(), "a committed output was removed"
+
+
+#: text_config of google/gemma-4-12B @56820d7d as issue 36 quotes it (the fields the topology check reads).
+GEMMA4_12B_UNIFIED_TEXT = {
+    "model_type": "gemma4_unified_text",
+    "num_hidden_layers": 48,
+    "hidden_size": 3840,
+    "intermediate_size": 15360,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "num_global_key_value_heads": 1,
+    "attention_k_eq_v": True,
+    "vocab_size": 262144,
+}
+
+
+def test_topology_replicates_fewer_global_kv_heads_than_tp_ranks() -> None:
+    """The 12B's one global KV head: any TP that is a multiple of it (each rank a copy); a TP that neither
+    divides nor is divided by the global KV heads is refused in one line, naming them."""
+    from vime_gemma4_bridge.convert.topology import Topology, TopologyError, validate_model_topology
+
+    config = {"model_type": "gemma4_unified", "text_config": GEMMA4_12B_UNIFIED_TEXT}
+    for tp in (1, 2, 4, 8):
+        validate_model_topology(config, Topology(tp=tp, pp=2))
+    three = {**GEMMA4_12B_UNIFIED_TEXT, "num_key_value_heads": 6, "num_attention_heads": 12, "intermediate_size": 15360}
+    validate_model_topology({"text_config": {**three, "num_global_key_value_heads": 3}}, Topology(tp=3))
+    with pytest.raises(TopologyError, match=r"^2 global KV heads do not divide by --tp 3; choose a divisor of 2$"):
+        validate_model_topology({"text_config": {**three, "num_global_key_value_heads": 2}}, Topology(tp=3))
+    with pytest.raises(TopologyError, match="is not Gemma 4"):
+        validate_model_topology({"text_config": {**GEMMA4_12B_UNIFIED_TEXT, "model_type": "llama"}}, Topology())

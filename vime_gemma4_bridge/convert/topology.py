@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vime_gemma4_bridge.compat.parallel_state import reset_model_parallel, seed_cuda_rng_tracker
-from vime_gemma4_bridge.core.hf_layout import global_kv_heads, text_config_dict
+from vime_gemma4_bridge.core.hf_layout import MODEL_TYPES, global_kv_heads, text_config_dict
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,8 @@ class TopologyError(ValueError):
 def validate_model_topology(config: Mapping[str, Any], topology: Topology) -> None:
     """Raise :class:`TopologyError` (one line: what and what to do) if the model cannot be split so."""
     text = text_config_dict(config)
-    if text.get("model_type") not in ("gemma4_text", "gemma4"):
-        raise TopologyError(f"config model_type {text.get('model_type')!r} is not Gemma 4 (gemma4_text)")
+    if text.get("model_type") not in MODEL_TYPES:
+        raise TopologyError(f"config model_type {text.get('model_type')!r} is not Gemma 4 ({', '.join(MODEL_TYPES)})")
     moe = bool(text.get("enable_moe_block"))
     layers = int(text["num_hidden_layers"])
     checks: list[tuple[str, int, int, str]] = [
@@ -151,8 +151,11 @@ def validate_model_topology(config: Mapping[str, Any], topology: Topology) -> No
         ("KV heads", int(text["num_key_value_heads"]), topology.tp, "--tp"),
         ("FFN size (intermediate_size)", int(text["intermediate_size"]), topology.tp, "--tp"),
     ]
-    if global_kv_heads(text) != int(text["num_key_value_heads"]):
-        checks.append(("global KV heads", global_kv_heads(text), topology.tp, "--tp"))
+    global_kv = global_kv_heads(text)
+    # Fewer than TP: each rank keeps a whole copy of its head (megatron-core's attention gathers the
+    # QKV projection and picks its group; core/model.Gemma4SelfAttention its query heads): the 12B's one.
+    if global_kv != int(text["num_key_value_heads"]) and not (global_kv < topology.tp and topology.tp % global_kv == 0):
+        checks.append(("global KV heads", global_kv, topology.tp, "--tp"))
     if moe:
         checks += [
             ("experts", int(text["num_experts"]), topology.ep, "--ep"),

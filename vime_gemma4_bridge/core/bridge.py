@@ -5,10 +5,11 @@ declarative mapping tables; every TP/PP/EP/ETP gather and scatter is Megatron-Br
 classes and conversion tasks). What is Gemma 4's own (each a gap listed in docs/UPSTREAM.md):
 
 * one bridge for ``Gemma4ForCausalLM`` (HF names under ``model.``) and for the language model of
-  ``Gemma4ForConditionalGeneration`` (under ``model.language_model.``): the vision/audio towers
-  never enter Megatron, and the export streams exactly the HF language-model tensors;
+  ``Gemma4ForConditionalGeneration`` (under ``model.language_model.``), and for the 12B's
+  ``Gemma4Unified*`` twins of both: the vision/audio towers (the 12B's embedders) never enter
+  Megatron, and the export streams exactly the HF language-model tensors;
 * both models are this plugin's (:mod:`~vime_gemma4_bridge.core.provider`), with or without TE: the MoE
-  (26B-A4B), the dense members (E2B, E4B, 31B: :mod:`~vime_gemma4_bridge.core.dense`), LoRA (core/lora.py);
+  (26B-A4B), the dense members (E2B, E4B, 31B, 12B: :mod:`~vime_gemma4_bridge.core.dense`), LoRA (core/lora.py);
 * attention_k_eq_v: full layers have no ``v_proj`` in HF (V = K on import, dropped on export, no LoRA);
 * Megatron weights in the checkpoint's own dtype (a bf16 copy of an fp32 checkpoint is lossy);
 * refusals instead of silent skips: a Megatron parameter without a mapping, a persistent buffer
@@ -51,6 +52,7 @@ from vime_gemma4_bridge.core.hf_layout import (
     STACKED,
     UNTIED_REFUSAL,
     check_expert_layout,
+    declared_dtype,
     global_kv_heads,
     split_expert,
     stack_of,
@@ -84,11 +86,7 @@ SHARED_MAPPING_ROWS: MappingTable = (
     ),
     (Replicated, "decoder.layers.*.self_attention.q_layernorm.weight", "layers.*.self_attn.q_norm.weight"),
     (Replicated, "decoder.layers.*.self_attention.k_layernorm.weight", "layers.*.self_attn.k_norm.weight"),
-    (
-        Replicated,
-        "decoder.layers.*.self_attention.linear_qkv.layer_norm_weight",
-        "layers.*.input_layernorm.weight",
-    ),
+    (Replicated, "decoder.layers.*.self_attention.linear_qkv.layer_norm_weight", "layers.*.input_layernorm.weight"),
     (RowParallel, "decoder.layers.*.self_attention.linear_proj.weight", "layers.*.self_attn.o_proj.weight"),
     (
         Replicated,
@@ -103,11 +101,7 @@ SHARED_MAPPING_ROWS: MappingTable = (
 MOE_MAPPING_TABLE: MappingTable = (
     *SHARED_MAPPING_ROWS,
     # feed-forward: dense MLP ("shared expert") beside the routed experts, each with its norms
-    (
-        Replicated,
-        "decoder.layers.*.pre_shared_expert_layernorm.weight",
-        "layers.*.pre_feedforward_layernorm.weight",
-    ),
+    (Replicated, "decoder.layers.*.pre_shared_expert_layernorm.weight", "layers.*.pre_feedforward_layernorm.weight"),
     (
         GatedMLPMapping,
         "decoder.layers.*.mlp.shared_experts.linear_fc1.weight",
@@ -126,11 +120,7 @@ MOE_MAPPING_TABLE: MappingTable = (
     # routed experts: one Megatron tensor per expert <-> one stacked HF tensor [E, ...]
     (FusedGatedExpertMapping, "decoder.layers.*.mlp.experts.linear_fc1.weight*", "layers.*.experts.gate_up_proj"),
     (RowParallelFusedExpertMapping, "decoder.layers.*.mlp.experts.linear_fc2.weight*", "layers.*.experts.down_proj"),
-    (
-        Replicated,
-        "decoder.layers.*.mlp.post_moe_layernorm.weight",
-        "layers.*.post_feedforward_layernorm_2.weight",
-    ),
+    (Replicated, "decoder.layers.*.mlp.post_moe_layernorm.weight", "layers.*.post_feedforward_layernorm_2.weight"),
 )
 
 
@@ -244,7 +234,7 @@ class Gemma4LanguageModelBridge(Gemma4AdapterExport, MegatronModelBridge):
         provider.make_vocab_size_divisible_by = self.make_vocab_size_divisible_by(text.vocab_size)
         provider.should_pad_vocab = True
         # Keep the checkpoint's dtype: a bf16 copy of an fp32 checkpoint cannot round-trip bitwise.
-        dtype = _config_dtype(text) or _config_dtype(self.hf_config) or torch.float32
+        dtype = declared_dtype(self.hf_config) or torch.float32
         provider.params_dtype = dtype
         provider.bf16 = dtype == torch.bfloat16
         provider.fp16 = dtype == torch.float16
@@ -560,14 +550,6 @@ def dense_provider(text: Any) -> Gemma4DenseTextModelProvider:
     )
 
 
-def _config_dtype(config: Any) -> torch.dtype | None:
-    """The checkpoint dtype a HF config declares (VL configs declare it at the top level only)."""
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return dtype if isinstance(dtype, torch.dtype) else None
-
-
 class Gemma4CausalLMBridge(Gemma4LanguageModelBridge):
     """Registered for ``Gemma4ForCausalLM``."""
 
@@ -576,11 +558,26 @@ class Gemma4ConditionalGenerationBridge(Gemma4LanguageModelBridge):
     """Registered for ``Gemma4ForConditionalGeneration``: its language model only."""
 
 
+class Gemma4UnifiedCausalLMBridge(Gemma4LanguageModelBridge):
+    """Registered for ``Gemma4UnifiedForCausalLM`` (the 12B: Gemma 4's dense text model, no PLE, no MoE)."""
+
+
+class Gemma4UnifiedConditionalGenerationBridge(Gemma4LanguageModelBridge):
+    """Registered for ``Gemma4UnifiedForConditionalGeneration``: its language model only (embedders copied)."""
+
+
+#: HF class → (bridge, the ``model_type`` Megatron-Bridge writes into a config it builds for it); UPSTREAM 58.
+BRIDGES = {
+    "Gemma4ForCausalLM": (Gemma4CausalLMBridge, "gemma4"),
+    "Gemma4ForConditionalGeneration": (Gemma4ConditionalGenerationBridge, "gemma4"),
+    "Gemma4UnifiedForCausalLM": (Gemma4UnifiedCausalLMBridge, "gemma4_unified"),
+    "Gemma4UnifiedForConditionalGeneration": (Gemma4UnifiedConditionalGenerationBridge, "gemma4_unified"),
+}
 _REGISTERED = False
 
 
 def register() -> None:
-    """Make ``AutoBridge`` dispatch both Gemma 4 classes to this plugin. Idempotent.
+    """Make ``AutoBridge`` dispatch the Gemma 4 classes to this plugin (those this transformers has). Idempotent.
 
     Registered under the class *name* (as Megatron-Bridge's own Gemma 4 bridges are) and under the
     transformers class itself, which wins over any name registration whenever that happens: the
@@ -589,12 +586,12 @@ def register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    for bridge_cls, name in (
-        (Gemma4CausalLMBridge, "Gemma4ForCausalLM"),
-        (Gemma4ConditionalGenerationBridge, "Gemma4ForConditionalGeneration"),
-    ):
+    for name, (bridge_cls, model_type) in BRIDGES.items():
+        hf_class = getattr(transformers, name, None)  # the 12B's classes came with transformers 5.12
+        if hf_class is None:
+            continue
         MegatronModelBridge.register_bridge(
-            source=name, target=GPTModel, provider=Gemma4TextModelProvider, model_type="gemma4"
+            source=name, target=GPTModel, provider=Gemma4TextModelProvider, model_type=model_type
         )(bridge_cls)
-        register_bridge_implementation(source=getattr(transformers, name), target=GPTModel, bridge_class=bridge_cls)
+        register_bridge_implementation(source=hf_class, target=GPTModel, bridge_class=bridge_cls)
     _REGISTERED = True

@@ -14,7 +14,12 @@ from typing import Any
 LANGUAGE_MODEL_PREFIX = {
     "Gemma4ForCausalLM": "model.",
     "Gemma4ForConditionalGeneration": "model.language_model.",
+    # The 12B "Unified": Gemma 4's dense text model (no PLE, no MoE) under classes of its own.
+    "Gemma4UnifiedForCausalLM": "model.",
+    "Gemma4UnifiedForConditionalGeneration": "model.language_model.",
 }
+#: ``model_type`` of the configs read as Gemma 4: text configs, then their VL wrappers.
+MODEL_TYPES = ("gemma4_text", "gemma4_unified_text", "gemma4", "gemma4_unified")
 
 
 def text_config_dict(config: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -122,8 +122,8 @@ class Gemma4TextModelProvider(GPTModelProvider):
 
 @dataclass
 class Gemma4DenseTextModelProvider(Gemma4TextModelProvider):
-    """Dense Gemma 4 (E2B, E4B, 31B): the MoE provider's attention, RoPE and embedding, a gated MLP per layer,
-    per-layer embeddings and KV sharing (:mod:`vime_gemma4_bridge.core.dense`)."""
+    """Dense Gemma 4 (E2B, E4B, 31B, the 12B Unified): the MoE provider's attention, RoPE and embedding, a
+    gated MLP per layer, per-layer embeddings and KV sharing (:mod:`vime_gemma4_bridge.core.dense`)."""
 
     hidden_size_per_layer_input: int = 0  # hidden_size_per_layer_input (0: no PLE)
     vocab_size_per_layer_input: int = 0  # vocab_size_per_layer_input

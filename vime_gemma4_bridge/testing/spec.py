@@ -14,7 +14,7 @@ multiple of 128 so that vocab padding in Megatron is exercised.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vime_gemma4_bridge.testing.tokenizer import BOS_ID, EOS_ID, MIN_VOCAB_SIZE, PAD_ID, TOKEN_ID
 
@@ -42,6 +42,8 @@ class TinySpec:
     ``moe=False`` builds a dense text model, which alone uses ``per_layer_input_size`` (PLE,
     0 disables it), ``kv_shared_layers`` and ``double_wide_mlp`` like the small Gemma 4 models. ``layer_types``
     holds ``"sliding"`` / ``"full"`` per layer (``None``: alternate, ending with ``full``).
+    ``unified=True`` writes the 12B's classes (``Gemma4Unified*``: a dense text model without PLE or
+    MoE, beside encoder-free vision and audio embedders instead of towers).
     """
 
     layers: int = 4
@@ -66,6 +68,7 @@ class TinySpec:
     per_layer_input_size: int = 8
     kv_shared_layers: int = 0
     double_wide_mlp: bool = False
+    unified: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_types is not None and not isinstance(self.layer_types, tuple):
@@ -101,6 +104,8 @@ class TinySpec:
             raise ValueError("per_layer_input_size and kv_shared_layers must be >= 0")
         if self.moe and self.kv_shared_layers:
             raise ValueError("kv_shared_layers is only supported with dense models (moe=False)")
+        if self.unified and (self.moe or self.per_layer_input_size):
+            raise ValueError("the unified (12B) classes have no MoE and no PLE: use moe=False, per_layer_input_size=0")
         if self.double_wide_mlp and not self.kv_shared_layers:
             raise ValueError("double_wide_mlp widens the KV-shared layers' MLP: it needs kv_shared_layers")
         types = self.resolved_layer_types()
@@ -142,24 +147,34 @@ class TinySpec:
     @property
     def architecture(self) -> str:
         """The transformers class written into ``config.architectures``."""
-        return "Gemma4ForCausalLM" if self.causal_lm else "Gemma4ForConditionalGeneration"
+        family = "Gemma4Unified" if self.unified else "Gemma4"
+        return f"{family}ForCausalLM" if self.causal_lm else f"{family}ForConditionalGeneration"
 
     def text_config(self) -> Gemma4TextConfig:
         """The text-model config; all sizes come from the spec, nothing from transformers' defaults."""
-        from transformers import Gemma4TextConfig
+        import transformers
 
         ple = 0 if self.moe else self.per_layer_input_size
-        moe_kwargs = (
-            {
-                "enable_moe_block": True,
-                "num_experts": self.experts,
-                "top_k_experts": self.top_k,
-                "moe_intermediate_size": self.moe_intermediate_size,
-            }
-            if self.moe
-            else {"enable_moe_block": False}
+        # The unified text config has no PLE or MoE fields (transformers' modular file deletes them).
+        ple_kwargs = (
+            {} if self.unified else {"hidden_size_per_layer_input": ple, "vocab_size_per_layer_input": self.vocab_size}
         )
-        return Gemma4TextConfig(
+        moe_kwargs = (
+            {}
+            if self.unified
+            else (
+                {
+                    "enable_moe_block": True,
+                    "num_experts": self.experts,
+                    "top_k_experts": self.top_k,
+                    "moe_intermediate_size": self.moe_intermediate_size,
+                }
+                if self.moe
+                else {"enable_moe_block": False}
+            )
+        )
+        config_class = transformers.Gemma4UnifiedTextConfig if self.unified else transformers.Gemma4TextConfig
+        return config_class(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -174,14 +189,13 @@ class TinySpec:
             layer_types=self.resolved_layer_types(),
             max_position_embeddings=4096,
             final_logit_softcapping=30.0,
-            hidden_size_per_layer_input=ple,
-            vocab_size_per_layer_input=self.vocab_size,
             num_kv_shared_layers=self.kv_shared_layers,
             use_double_wide_mlp=self.double_wide_mlp,
             pad_token_id=PAD_ID,
             eos_token_id=EOS_ID,
             bos_token_id=BOS_ID,
             tie_word_embeddings=True,
+            **ple_kwargs,
             **moe_kwargs,
         )
 
@@ -201,18 +215,33 @@ class TinySpec:
             pooling_kernel_size=3,
         )
 
+    def unified_embedder_configs(self) -> dict[str, Any]:
+        """The 12B's encoder-free embedders at toy size: vision (2x2 patches merged 2x2) and audio."""
+        from transformers import Gemma4UnifiedAudioConfig, Gemma4UnifiedVisionConfig
+
+        vision = Gemma4UnifiedVisionConfig(
+            patch_size=2, pooling_kernel_size=2, mm_embed_dim=24, mm_posemb_size=16, output_proj_dims=24
+        )
+        return {"vision_config": vision, "audio_config": Gemma4UnifiedAudioConfig(audio_embed_dim=20)}
+
     def hf_config(self) -> Gemma4Config | Gemma4TextConfig:
-        """The config of the model class: ``Gemma4Config`` (text + vision, no audio) or the text config."""
-        from transformers import Gemma4Config
+        """The config of the model class: ``Gemma4Config`` (text + vision, no audio), the unified config
+        (text + vision and audio embedders) or the text config."""
+        import transformers
 
         text = self.text_config()
         if self.causal_lm:
             text.architectures = [self.architecture]
             return text
-        config = Gemma4Config(
+        config_class = transformers.Gemma4UnifiedConfig if self.unified else transformers.Gemma4Config
+        towers = (
+            self.unified_embedder_configs()
+            if self.unified
+            else {"vision_config": self.vision_config(), "audio_config": None}
+        )
+        config = config_class(
             text_config=text,
-            vision_config=self.vision_config(),
-            audio_config=None,
+            **towers,
             boi_token_id=TOKEN_ID["<|image>"],
             eoi_token_id=TOKEN_ID["<image|>"],
             image_token_id=TOKEN_ID["<|image|>"],
@@ -249,6 +278,24 @@ DENSE_SHAPES: dict[str, TinySpec] = {
         per_layer_input_size=0,
         vocab_size=310,
         seed=11,
+    ),
+    # 12B "Unified": no PLE, no KV sharing, 5 sliding : 1 full; k_eq_v full layers with ONE global KV head
+    # (replicated over TP ranks); its own classes, with vision and audio embedders beside the text model.
+    "12b": TinySpec(
+        moe=False,
+        unified=True,
+        layers=12,
+        layer_types=("sliding",) * 5 + ("full",) + ("sliding",) * 5 + ("full",),
+        hidden_size=40,
+        intermediate_size=56,
+        heads=8,
+        kv_heads=4,
+        global_kv_heads=1,
+        head_dim=8,
+        global_head_dim=16,
+        per_layer_input_size=0,
+        vocab_size=340,
+        seed=31,
     ),
     # E4B: PLE, the last half of the layers KV-shared, full layers keep the sliding layers' KV heads.
     "e4b": TinySpec(

@@ -41,7 +41,7 @@ from vime_gemma4_bridge.core.bitwise import same_bytes
 from vime_gemma4_bridge.io.commit import atomic_directory
 from vime_gemma4_bridge.testing.spec import TinySpec
 from vime_gemma4_bridge.testing.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKEN_ID, build_tokenizer
-from vime_gemma4_bridge.testing.weights import assert_all_distinct, randomize_, saved_tensors
+from vime_gemma4_bridge.testing.weights import assert_all_distinct, on_disk, randomize_, saved_tensors
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -53,9 +53,10 @@ def build_tiny_model(spec: TinySpec) -> PreTrainedModel:
     The global torch RNG is forked so building a checkpoint never perturbs the caller's seeds
     (transformers' own init draws from it; its values are all overwritten anyway).
     """
-    from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration, GenerationConfig
+    import transformers
+    from transformers import GenerationConfig
 
-    cls = Gemma4ForCausalLM if spec.causal_lm else Gemma4ForConditionalGeneration
+    cls = getattr(transformers, spec.architecture)
     with torch.random.fork_rng(devices=[]):
         model = cls(spec.hf_config())
     model = model.to(spec.torch_dtype).eval()
@@ -106,7 +107,7 @@ def write_tiny_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
 
     model = build_tiny_model(spec)
-    expected = saved_tensors(model)
+    expected = on_disk(model, saved_tensors(model))
     assert_all_distinct(expected)  # never write a checkpoint that cannot catch a mix-up
 
     with atomic_directory(out, replace=force) as tmp:

@@ -109,6 +109,14 @@ def saved_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def on_disk(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (:func:`saved_tensors`) under the names ``save_pretrained`` writes them as: transformers
+    renames some on save (the 12B's vision embedder: ``embed_vision.patch_*`` → ``vision_embedder.patch_*``)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, dict(tensors))
+
+
 def randomize_(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Overwrite every saved parameter and persistent buffer in place, deterministically.
 
