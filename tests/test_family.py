@@ -258,3 +258,14 @@ def test_family_doctor_reads_a_dense_checkpoint(family, tmp_path: Path) -> None:
     cause = first_cause(report)
     assert cause["kind"] == "layer-swap" and "layers 1 and 2 swapped" in cause["message"], cause
     assert sorted(cause["tensors"]) == [f"{L}1.per_layer_input_gate.weight", f"{L}2.per_layer_input_gate.weight"]
+
+
+def test_unified_causal_lm_roundtrip_is_bitwise_at_tp2(local_world, tmp_path: Path) -> None:
+    """The 12B's text-only class (``Gemma4UnifiedForCausalLM``, names under ``model.``) takes the same bridge:
+    bitwise at TP2, its one global KV head on both ranks."""
+    import dataclasses
+
+    hf = write_tiny_checkpoint(tmp_path / "12b-causal", dataclasses.replace(DENSE_SHAPES["12b"], causal_lm=True))
+    assert HFCheckpoint(hf).config["architectures"] == ["Gemma4UnifiedForCausalLM"]
+    result = local_world(2).run(_roundtrip_on, "release", str(hf), Topology(tp=2))[0]
+    assert result["identical"] and result["total"]["count"] == len(HFCheckpoint(hf).language_model_names())

@@ -363,6 +363,56 @@ def test_diverged_tied_embeddings_refuse_export(local_world, hf_vl: Path) -> Non
     assert messages[0].startswith("tied embeddings diverged: the last pipeline stage's output_layer.weight differs")
 
 
+def _tied_check_peak_job(vocab: int, hidden: int, flip: bool) -> dict:
+    """``check_tied_embeddings`` at TP2·PP2 on bf16 shards of ``vocab // 2`` x ``hidden`` (random bit patterns,
+    NaNs among them): the peak RSS it adds on this rank, and its refusal when ``flip`` changes one element of
+    the last stage's copy on TP rank 0."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+
+    from vime_gemma4_bridge.cli.bench_jobs import PeakRSS
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+    from vime_gemma4_bridge.core.tied import TiedEmbeddingMismatch, check_tied_embeddings
+
+    init_model_parallel(Topology(tp=2, pp=2))
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    shard = torch.empty(vocab // 2, hidden, dtype=torch.bfloat16)
+    shard.view(torch.int16).random_(generator=torch.Generator().manual_seed(tp_rank))
+    holder = torch.nn.Module()
+    holder.weight = torch.nn.Parameter(shard, requires_grad=False)
+    model = torch.nn.Module()
+    model.config = SimpleNamespace(share_embeddings_and_output_weights=True)
+    if parallel_state.is_pipeline_first_stage():
+        model.embedding = torch.nn.Module()
+        model.embedding.word_embeddings = holder
+    else:
+        model.output_layer = holder
+        if flip and tp_rank == 0:
+            shard.view(torch.int16)[vocab // 4, 7] ^= 1
+    message = None
+    with PeakRSS() as peak:
+        try:
+            check_tied_embeddings([model])
+        except TiedEmbeddingMismatch as error:
+            message = str(error)
+    return {"extra": peak.extra, "exact": peak.exact, "message": message}
+
+
+@pytest.mark.parametrize("flip", [False, True], ids=["tied", "diverged"])
+def test_tied_check_adds_at_most_64_mb_at_26b_a4b_widths(local_world, flip: bool) -> None:
+    """26B-A4B's embedding (262144 x 2816, bf16) at TP2·PP2: comparing the last stage's copy with stage 0's
+    costs each rank at most 64 MB over its weights (issue 35; it cloned the 0.7 GB shard, and built float64
+    differences of it where they differed), and a one-bit change is still refused on every rank."""
+    results = local_world(4).run(_tied_check_peak_job, 262144, 2816, flip)
+    assert all(r["extra"] <= 64 << 20 for r in results), [r["extra"] >> 20 for r in results]
+    messages = {r["message"] for r in results}
+    if flip:
+        assert len(messages) == 1 and next(iter(messages)).startswith("tied embeddings diverged"), messages
+    else:
+        assert messages == {None}
+
+
 # ------------------------------------------------------------------------------------------------
 # Rollout-ready streams: one expert at a time, block FP8 (fast checks: tests/test_rollout.py)
 # ------------------------------------------------------------------------------------------------
