@@ -258,3 +258,56 @@ def test_assert_all_distinct_catches_mixups() -> None:
         assert_all_distinct({**good, "experts.down_proj": experts})
     with pytest.raises(AssertionError, match="non-finite"):
         assert_all_distinct({**good, "c": torch.tensor([1.0, float("nan")])})
+
+
+#: The published text configs the presets carry (issue 35; sources in testing/spec.PUBLISHED):
+#: hidden, layers, MLP, heads, KV heads, global KV heads (k_eq_v), head dims, KV-shared layers, PLE width.
+PUBLISHED_FIELDS = {
+    "26b-a4b": (2816, 30, 2112, 16, 8, 2, 256, 512, 0, 0),
+    "31b": (5376, 60, 21504, 32, 16, 4, 256, 512, 0, 0),
+    "12b": (3840, 48, 15360, 16, 8, 1, 256, 512, 0, None),
+    "e4b": (2560, 42, 10240, 8, 2, 2, 256, 512, 18, 256),
+    "e2b": (1536, 35, 6144, 8, 1, 1, 256, 512, 20, 256),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_FIELDS))
+def test_presets_carry_the_published_shapes(name: str) -> None:
+    """The config a preset writes has the member's published fields; cut to N layers it keeps the first N (the
+    last made full) and their KV sharing; 26B-A4B cut to 2 layers is the 4.76 GB of language model issue 35 measured."""
+    from vime_gemma4_bridge.testing.spec import PUBLISHED, preset
+    from vime_gemma4_bridge.testing.synthetic import spec_bytes
+
+    text = PUBLISHED[name].text_config().to_dict()
+    fields = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+    fields += ("num_global_key_value_heads", "head_dim", "global_head_dim", "num_kv_shared_layers")
+    fields += ("hidden_size_per_layer_input",)
+    assert tuple(text.get(field) for field in fields) == PUBLISHED_FIELDS[name]
+    assert text["vocab_size"] == 262144
+    cut = preset(name, 2)
+    assert cut.resolved_layer_types() == ["sliding_attention", "full_attention"] and cut.kv_shared_layers == 0
+    if name == "26b-a4b":
+        assert (text["num_experts"], text["top_k_experts"], text["moe_intermediate_size"]) == (128, 8, 704)
+        assert round(spec_bytes(cut) / 1e9, 2) == 4.76
+    if name == "e2b":  # layers 15.. share K/V in the published model: the first 17 keep two of them
+        assert preset(name, 17).kv_shared_layers == 2 and preset(name, 17).double_wide_mlp
+
+
+def test_cli_preset_writes_tensor_by_tensor_and_refuses_a_bad_cut(tmp_path: Path, capsys) -> None:
+    """``tiny --preset e2b --layers 1``: real widths (a 262144 x 1536 embedding), the pre-flight accepts it,
+    its shards carry digests; ``--layers 0`` is refused in one line and writes nothing."""
+    from vime_gemma4_bridge.cli.preflight import check_config, check_language_model
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
+
+    out = tmp_path / "e2b"
+    assert cli.main(["tiny", str(out), "--preset", "e2b", "--layers", "1"]) == 0
+    assert "Gemma4ForConditionalGeneration (dense, 1 layers, bfloat16)" in capsys.readouterr().out
+    checkpoint = HFCheckpoint(out)
+    check_config(checkpoint)
+    check_language_model(checkpoint)
+    assert checkpoint.shapes()["model.language_model.embed_tokens.weight"] == [262144, 1536]
+    assert cli.main(["verify-checkpoint", str(out)]) == 0
+    assert cli.main(["tiny", str(tmp_path / "bad"), "--preset", "31b", "--layers", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "vime-gemma4 tiny: error: --layers 0: 31b has 60 layers; choose 1 to 60"
+    assert not (tmp_path / "bad").exists()

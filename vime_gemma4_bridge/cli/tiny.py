@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from vime_gemma4_bridge.cli import errors
-from vime_gemma4_bridge.testing.spec import DENSE_SHAPES, DTYPES, TinySpec
+from vime_gemma4_bridge.testing.spec import DENSE_SHAPES, DTYPES, PUBLISHED, TinySpec, preset
 from vime_gemma4_bridge.testing.tokenizer import MIN_VOCAB_SIZE
 
 PROG = "vime-gemma4 tiny"
@@ -53,8 +53,21 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="a dense family member's tiny shape (what is special in it, docs/MODEL.md); 12b writes the 12B's own "
         "classes (Gemma4Unified*); only --causal-lm, --seed and --dtype still apply",
     )
+    kind.add_argument(
+        "--preset",
+        choices=sorted(PUBLISHED),
+        default=None,
+        help="a published member at its real widths (random values, written tensor by tensor: the full 26b-a4b "
+        "is 50 GB); --layers cuts it to its first layers (the last made full); only --causal-lm, --seed and "
+        "--dtype still apply",
+    )
     size = p.add_argument_group("sizes")
-    size.add_argument("--layers", type=int, default=d.layers, help="decoder layers (PP x VPP must divide it)")
+    size.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help=f"decoder layers (PP x VPP must divide it; default {d.layers}, with --preset the published count)",
+    )
     size.add_argument(
         "--layer-types",
         type=_layer_types_arg,
@@ -111,11 +124,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def spec_from_args(args: argparse.Namespace) -> TinySpec:
     """Turn parsed ``tiny`` arguments into a :class:`TinySpec` (raises ``ValueError`` if invalid)."""
+    if getattr(args, "preset", None):
+        spec = preset(args.preset, args.layers)
+        return dataclasses.replace(spec, causal_lm=args.causal_lm, seed=args.seed, dtype=args.dtype)
     if getattr(args, "like", None):
         seed = args.seed if args.seed != TinySpec().seed else DENSE_SHAPES[args.like].seed
         return dataclasses.replace(DENSE_SHAPES[args.like], causal_lm=args.causal_lm, seed=seed, dtype=args.dtype)
     return TinySpec(
-        layers=args.layers,
+        layers=args.layers if args.layers is not None else TinySpec().layers,
         layer_types=args.layer_types,
         hidden_size=args.hidden_size,
         intermediate_size=args.intermediate_size,
@@ -151,7 +167,12 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not is_empty_dir(out) and not args.force:
         return errors.refuse(PROG, f"{out} exists and is not empty (use --force to replace it)")
-    path = write_tiny_checkpoint(out, spec, force=args.force)
+    if args.preset:  # real widths: no model in memory, one tensor at a time
+        from vime_gemma4_bridge.testing.synthetic import write_synthetic_checkpoint
+
+        path, _ = write_synthetic_checkpoint(out, spec, seed=spec.seed, show_progress=True)
+    else:
+        path = write_tiny_checkpoint(out, spec, force=args.force)
     n_tensors, n_bytes = checkpoint_stats(path)
     print(f"tiny: {spec.describe()}: {n_tensors} tensors, {n_bytes} bytes -> {path}")
     return 0

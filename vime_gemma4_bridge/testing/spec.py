@@ -13,6 +13,7 @@ multiple of 128 so that vocab padding in Megatron is exercised.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -335,3 +336,61 @@ DENSE_SHAPES: dict[str, TinySpec] = {
         seed=21,
     ),
 }
+
+
+def _pattern(layers: int, period: int) -> tuple[str, ...]:
+    """``period - 1`` sliding layers then a full one, repeated over ``layers``."""
+    return tuple("full" if (i + 1) % period == 0 else "sliding" for i in range(layers))
+
+
+#: The published members' text models at their real widths and layer counts (the vision tower stays
+#: tiny: conversion copies it). 26B-A4B: google/gemma-4-26B-A4B-it (tests/test_recipes.py holds its
+#: text config); 12B: google/gemma-4-12B @56820d7d as issue 36 quotes it; 31B, E4B, E2B: their
+#: ``config.json`` as public code quotes it (the Hub is not reachable here). RoPE, softcapping and
+#: the per-layer vocabulary are transformers' defaults, which are the published values.
+PUBLISHED: dict[str, TinySpec] = {
+    "26b-a4b": TinySpec(
+        layers=30, layer_types=_pattern(30, 6), hidden_size=2816, intermediate_size=2112,
+        moe_intermediate_size=704, experts=128, top_k=8, heads=16, kv_heads=8, global_kv_heads=2,
+        head_dim=256, global_head_dim=512, sliding_window=1024, vocab_size=262144, per_layer_input_size=0,
+    ),
+    "31b": TinySpec(
+        moe=False, layers=60, layer_types=_pattern(60, 6), hidden_size=5376, intermediate_size=21504,
+        heads=32, kv_heads=16, global_kv_heads=4, head_dim=256, global_head_dim=512, sliding_window=1024,
+        vocab_size=262144, per_layer_input_size=0,
+    ),
+    "12b": TinySpec(
+        moe=False, unified=True, layers=48, layer_types=_pattern(48, 6), hidden_size=3840,
+        intermediate_size=15360, heads=16, kv_heads=8, global_kv_heads=1, head_dim=256, global_head_dim=512,
+        sliding_window=1024, vocab_size=262144, per_layer_input_size=0,
+    ),
+    "e4b": TinySpec(
+        moe=False, layers=42, layer_types=_pattern(42, 6), hidden_size=2560, intermediate_size=10240,
+        heads=8, kv_heads=2, global_kv_heads=2, head_dim=256, global_head_dim=512, attention_k_eq_v=False,
+        sliding_window=512, vocab_size=262144, per_layer_input_size=256, kv_shared_layers=18,
+    ),
+    "e2b": TinySpec(
+        moe=False, layers=35, layer_types=_pattern(35, 5), hidden_size=1536, intermediate_size=6144,
+        heads=8, kv_heads=1, global_kv_heads=1, head_dim=256, global_head_dim=512, attention_k_eq_v=False,
+        sliding_window=512, vocab_size=262144, per_layer_input_size=256, kv_shared_layers=20,
+        double_wide_mlp=True,
+    ),
+}  # fmt: skip
+
+
+def preset(name: str, layers: int | None = None) -> TinySpec:
+    """A published member (:data:`PUBLISHED`) cut to its first ``layers`` layers: the last one made full, as
+    transformers makes it, and those among them that share K/V in the published model still sharing."""
+    full = PUBLISHED[name]
+    if layers is None or layers == full.layers:
+        return full
+    if not 1 <= layers <= full.layers:
+        raise ValueError(f"--layers {layers}: {name} has {full.layers} layers; choose 1 to {full.layers}")
+    shared = max(0, layers - (full.layers - full.kv_shared_layers))
+    return dataclasses.replace(
+        full,
+        layers=layers,
+        layer_types=full.layer_types[: layers - 1] + ("full",),
+        kv_shared_layers=shared,
+        double_wide_mlp=full.double_wide_mlp and shared > 0,
+    )

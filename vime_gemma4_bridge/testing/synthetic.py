@@ -152,16 +152,15 @@ def largest_tensor_bytes(hf_checkpoint: str | os.PathLike) -> tuple[str, int]:
 def _meta_tensors(spec: TinySpec) -> list[tuple[str, tuple[int, ...], Any]]:
     """``(name, shape, dtype)`` of every tensor ``save_pretrained`` would write for ``spec`` (tied aliases dropped)."""
     import torch
-    from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+    import transformers
 
-    cls = Gemma4ForCausalLM if spec.causal_lm else Gemma4ForConditionalGeneration
+    from vime_gemma4_bridge.testing.weights import on_disk
+
     with torch.device("meta"), torch.random.fork_rng(devices=[]):
-        model = cls(spec.hf_config())
+        model = getattr(transformers, spec.architecture)(spec.hf_config())
     tied = set(getattr(model, "_tied_weights_keys", None) or ())
     out = []
-    for name, tensor in model.state_dict().items():
-        if name in tied:
-            continue
+    for name, tensor in on_disk(model, {n: t for n, t in model.state_dict().items() if n not in tied}).items():
         dtype = spec.torch_dtype if tensor.is_floating_point() else tensor.dtype
         out.append((name, tuple(tensor.shape), dtype))
     return out
@@ -189,7 +188,7 @@ def layer_experts_bytes(hf_checkpoint: str | os.PathLike) -> int:
 
 
 def write_synthetic_checkpoint(
-    out: str | os.PathLike, spec: TinySpec, *, shards: int = 4, seed: int = 0
+    out: str | os.PathLike, spec: TinySpec, *, shards: int = 4, seed: int = 0, show_progress: bool = False
 ) -> tuple[Path, int]:
     """Write a loadable Gemma 4 HF checkpoint for ``spec`` with random values; return (path, tensor bytes).
 
@@ -204,7 +203,7 @@ def write_synthetic_checkpoint(
     from transformers import GenerationConfig
 
     from vime_gemma4_bridge.io.commit import atomic_directory
-    from vime_gemma4_bridge.io.hf import LazyTensor, write_shards
+    from vime_gemma4_bridge.io.hf import LazyTensor, progress, write_shards
 
     tensors = _meta_tensors(spec)
     total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in tensors)
@@ -224,7 +223,8 @@ def write_synthetic_checkpoint(
 
     lazy = [(name, LazyTensor(shape, dtype, drawn(name, shape, dtype))) for name, shape, dtype in tensors]
     with atomic_directory(out) as tmp:
-        write_shards(tmp, lazy, max(1, math.ceil(total / max(1, shards))), always_index=True)
+        with progress(f"Writing {Path(out).name}", len(lazy), show_progress) as advance:
+            write_shards(tmp, lazy, max(1, math.ceil(total / max(1, shards))), always_index=True, advance=advance)
         config = spec.hf_config()
         config.dtype = spec.torch_dtype
         config.save_pretrained(tmp)

@@ -137,6 +137,11 @@ def _verify_written(directory: Path, expected: Mapping[str, torch.Tensor]) -> No
 
 def checkpoint_stats(path: str | os.PathLike[str]) -> tuple[int, int]:
     """(number of tensors, total bytes of the safetensors files) of a written checkpoint."""
-    directory = Path(path)
-    files = sorted(directory.glob("*.safetensors"))
-    return len(_read_back(directory)), sum(f.stat().st_size for f in files)
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    names = set()
+    for file in files:  # the headers: a real-width checkpoint is not read
+        with safe_open(str(file), framework="pt") as handle:
+            names.update(handle.keys())
+    return len(names), sum(f.stat().st_size for f in files)
