@@ -442,3 +442,23 @@ def test_topology_replicates_fewer_global_kv_heads_than_tp_ranks() -> None:
         validate_model_topology({"text_config": {**three, "num_global_key_value_heads": 2}}, Topology(tp=3))
     with pytest.raises(TopologyError, match="is not Gemma 4"):
         validate_model_topology({"text_config": {**GEMMA4_12B_UNIFIED_TEXT, "model_type": "llama"}}, Topology())
+
+
+def test_compare_takes_an_export_stream_against_tensor_files(tmp_path: Path) -> None:
+    """The round trip's comparison: the export's ``(name, tensor)`` pairs one at a time against the source read
+    tensor by tensor; a name yielded twice, a missing one and a foreign one are each reported."""
+    import torch
+    from safetensors.torch import save_file
+
+    from vime_gemma4_bridge.verify.compare import TensorFiles
+    from vime_gemma4_bridge.verify.report import compare
+
+    source = {"a.weight": torch.arange(6.0).view(2, 3), "b.weight": torch.ones(4), "c.weight": torch.zeros(2)}
+    save_file(source, tmp_path / "model.safetensors")
+    with TensorFiles.of_files([tmp_path / "model.safetensors"]) as reference:
+        same = compare(reference, iter([(n, t.clone()) for n, t in source.items()]))
+        assert same.identical and same.total.count == 3 and same.total.equal == 3
+        stream = [("a.weight", source["a.weight"]), ("b.weight", -source["b.weight"]), ("a.weight", source["a.weight"])]
+        result = compare(reference, iter(stream + [("z.weight", torch.ones(1))]))
+    assert (result.different, result.missing) == (["b.weight"], ["c.weight"])
+    assert result.extra == ["a.weight (yielded again)", "z.weight"] and not result.identical

@@ -181,14 +181,14 @@ def walk(reference: Source, candidate: Source, *, order: str = "reference") -> I
     (``reference`` ``None`` for an extra, ``again_in`` for a repeat), then the names it lacks in the
     reference's order.
     """
-    ref_names, cand_names = _names(reference), _names(candidate)
+    ref_names, cand_names = names_of(reference), names_of(candidate)
     ref_set, cand_set = set(ref_names), set(cand_names)
     if order == "reference":
         for name in ref_names:
-            yield Pair(name, _get(reference, name), _get(candidate, name) if name in cand_set else None)
+            yield Pair(name, tensor_of(reference, name), tensor_of(candidate, name) if name in cand_set else None)
         for name in cand_names:
             if name not in ref_set:
-                yield Pair(name, None, _get(candidate, name))
+                yield Pair(name, None, tensor_of(candidate, name))
     elif order == "candidate":
         seen: set[str] = set()
         for name, file in _entries(candidate):
@@ -196,19 +196,21 @@ def walk(reference: Source, candidate: Source, *, order: str = "reference") -> I
                 yield Pair(name, None, None, again_in=file)
                 continue
             seen.add(name)
-            yield Pair(name, _get(reference, name) if name in ref_set else None, _get(candidate, name))
+            yield Pair(name, tensor_of(reference, name) if name in ref_set else None, tensor_of(candidate, name))
         for name in ref_names:
             if name not in cand_set:
-                yield Pair(name, _get(reference, name), None)
+                yield Pair(name, tensor_of(reference, name), None)
     else:
         raise ValueError(f"order must be 'reference' or 'candidate', got {order!r}")
 
 
-def _names(source: Source) -> list[str]:
+def names_of(source: Source) -> list[str]:
+    """Each name of ``source`` once, in its order."""
     return source.names() if isinstance(source, TensorFiles) else list(source)
 
 
-def _get(source: Source, name: str) -> torch.Tensor:
+def tensor_of(source: Source, name: str) -> torch.Tensor:
+    """Tensor ``name`` of ``source`` (read now from a :class:`TensorFiles`)."""
     return source.get(name) if isinstance(source, TensorFiles) else source[name]
 
 

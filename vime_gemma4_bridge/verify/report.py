@@ -9,13 +9,13 @@ per-family table is what ``roundtrip`` prints; the EP-boundary check makes the o
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from vime_gemma4_bridge.core.bitwise import same_bytes
-from vime_gemma4_bridge.verify.compare import compare_tensors, walk
+from vime_gemma4_bridge.verify.compare import Source, compare_tensors, names_of, tensor_of
 
 #: Names of the stacked routed-expert tensors (HF, relative to a layer).
 EXPERT_SUFFIXES = ("experts.gate_up_proj", "experts.down_proj")
@@ -89,29 +89,46 @@ class Comparison:
         }
 
 
-def compare(reference: Mapping[str, torch.Tensor], candidate: Mapping[str, torch.Tensor], *, ep: int = 1) -> Comparison:
-    """Compare ``candidate`` with ``reference`` bitwise; check experts at every EP boundary by name."""
+def compare(
+    reference: Source, candidate: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *, ep: int = 1
+) -> Comparison:
+    """Compare ``candidate`` with ``reference`` bitwise; check experts at every EP boundary by name.
+
+    ``candidate`` may be the ``(name, tensor)`` pairs an export yields and ``reference`` a
+    :class:`~vime_gemma4_bridge.verify.compare.TensorFiles`: each pair is compared as it comes and
+    neither side is held, so a round trip keeps one tensor of each instead of two models. A name
+    yielded twice is extra (an export that overwrote its own tensor would otherwise pass).
+    """
     result = Comparison()
-    for pair in walk(reference, candidate):
-        name, ref, got = pair.name, pair.reference, pair.candidate
-        if ref is None:
-            result.extra.append(name)
-            continue
-        stats = result.families.setdefault(family_of(name), FamilyStats())
-        stats.count += 1
-        stats.nbytes += ref.numel() * ref.element_size()
-        if got is None:
-            result.missing.append(name)
-            continue
-        if compare_tensors(ref, got, measure=False).status == "equal":
-            stats.equal += 1
+    names = names_of(reference)
+    wanted, seen = set(names), set()
+    for name, got in candidate.items() if isinstance(candidate, Mapping) else candidate:
+        if name in seen or name not in wanted:
+            result.extra.append(f"{name} (yielded again)" if name in seen else name)
         else:
-            result.different.append(name)
-        if name.endswith(_EXPERT_ENDINGS):
-            result.ep_boundaries.extend(_check_expert_boundaries(name, ref, got, ep))
+            _tally(result, name, tensor_of(reference, name), got, ep)
+        seen.add(name)
+    for name in names:
+        if name not in seen:
+            _tally(result, name, tensor_of(reference, name), None, ep)
     result.missing.sort()
     result.extra.sort()
     return result
+
+
+def _tally(result: Comparison, name: str, ref: torch.Tensor, got: torch.Tensor | None, ep: int) -> None:
+    stats = result.families.setdefault(family_of(name), FamilyStats())
+    stats.count += 1
+    stats.nbytes += ref.numel() * ref.element_size()
+    if got is None:
+        result.missing.append(name)
+        return
+    if compare_tensors(ref, got, measure=False).status == "equal":
+        stats.equal += 1
+    else:
+        result.different.append(name)
+    if name.endswith(_EXPERT_ENDINGS):
+        result.ep_boundaries.extend(_check_expert_boundaries(name, ref, got, ep))
 
 
 def ep_boundary_pairs(num_experts: int, ep: int) -> list[tuple[int, int]]:

@@ -29,25 +29,33 @@ def roundtrip_job(
         broadcast_from_rank0,
         build_model,
         collect_on_rank0,
+        export_language_model,
         is_rank0,
         open_bridge,
     )
     from vime_gemma4_bridge.convert.topology import init_model_parallel
     from vime_gemma4_bridge.io import hf as hf_io
     from vime_gemma4_bridge.verify import report
+    from vime_gemma4_bridge.verify.compare import TensorFiles
 
     init_model_parallel(topology)
     verify_sources(hf_checkpoint)  # the digests it records, before its bytes are used
+    source = hf_io.HFCheckpoint(hf_checkpoint)
+    result: dict[str, Any] | None = None
     with contextlib.redirect_stdout(sys.stderr):  # megatron-core's and the bridge's chatter: stdout is the report's
         bridge = open_bridge(hf_checkpoint)
         model = build_model(bridge, topology)
         bridge.load_hf_weights(model)
-        exported = collect_on_rank0(bridge, model)
-    result: dict[str, Any] | None = None
+        # The check alone holds nothing: rank 0 compares each exported tensor as it comes with the source's,
+        # read one at a time. --output keeps the export (it is written once proven identical).
+        exported = collect_on_rank0(bridge, model) if output is not None else export_language_model(bridge, model)
+        if is_rank0():
+            with TensorFiles.of_checkpoint(source, source.language_model_names()) as reference:
+                comparison = report.compare(reference, exported, ep=topology.ep)
+        else:
+            for _ in exported:  # the other ranks' part of the export's collectives
+                pass
     if is_rank0():
-        source = hf_io.HFCheckpoint(hf_checkpoint)
-        reference = source.load(source.language_model_names())
-        comparison = report.compare(reference, exported, ep=topology.ep)
         result = comparison.as_dict()
         result["report"] = report.format_report(comparison, f"round trip at {topology}")
         result["total"] = vars(comparison.total)
