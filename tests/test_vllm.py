@@ -522,9 +522,9 @@ def _text_only(source: Path, out: Path) -> Path:
 
 def test_vllm_serves_the_12b_unified_after_roundtrip_and_live_sync(local_world, tmp_path: Path) -> None:
     """The 12B's checkpoint written by ``roundtrip --output`` at TP2·PP2 (its one global KV head replicated on
-    both TP ranks) generates the source's tokens in a fresh engine, and the live stream at that topology
-    (``export-live``, vime's disk sync) brings a perturbed engine back to them. The twin must generate
-    otherwise, or neither check could fail."""
+    both TP ranks) generates the source's tokens in a fresh engine; the live stream at that topology
+    (``export-live``, vime's disk sync) and ``import`` + ``export`` each bring a perturbed engine back to
+    them. The twin must generate otherwise, or no check could fail."""
     from vime_gemma4_bridge.verify.roundtrip import roundtrip_job
 
     source = write_tiny_checkpoint(tmp_path / "hf", UNIFIED_SPEC)
@@ -535,13 +535,19 @@ def test_vllm_serves_the_12b_unified_after_roundtrip_and_live_sync(local_world, 
     result = world.run(roundtrip_job, str(source), topology, str(tmp_path / "roundtrip"), False, 1 << 30)[0]
     assert result["identical"], result["report"]
     world.run(export_live_job, str(source), topology, str(tmp_path / "live"), BUFFER, False, "stacked")
+    saved, exported = tmp_path / "torch_dist", tmp_path / "export"
+    assert cli(["import", "--hf-checkpoint", str(source), "--save", str(saved)]) == 0
+    assert cli(["export", "--load", str(saved), "--hf-checkpoint", str(source), "--output", str(exported)]) == 0
     vllm = Engine(_text_only(source, tmp_path / "hf-text"), reprepack_moe=False)
     try:
         reference = vllm.generate(prompts)
-        vllm.reload(weights_path=str(_text_only(twin, tmp_path / "twin-text")))
-        assert vllm.generate(prompts)["tokens"] != reference["tokens"], "the twin must generate otherwise"
-        vllm.reload(tensor_files=_chunk_files(tmp_path / "live"))
-        assert_same_generation(vllm.generate(prompts), reference)
+        perturbed = str(_text_only(twin, tmp_path / "twin-text"))
+        export_text = str(_text_only(exported, tmp_path / "export-text"))
+        for road in ({"tensor_files": _chunk_files(tmp_path / "live")}, {"weights_path": export_text}):
+            vllm.reload(weights_path=perturbed)
+            assert vllm.generate(prompts)["tokens"] != reference["tokens"], "the twin must generate otherwise"
+            vllm.reload(**road)
+            assert_same_generation(vllm.generate(prompts), reference)
     finally:
         vllm.close()
     fresh = Engine(_text_only(tmp_path / "roundtrip", tmp_path / "roundtrip-text"), reprepack_moe=False)
