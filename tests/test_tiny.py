@@ -234,6 +234,7 @@ def test_cli_non_default_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         ["--top-k", "32"],  # more than the experts
         ["--vocab-size", "200"],  # tokenizer does not fit
         ["--kv-shared-layers", "2"],  # dense only
+        ["--like", "e2b", "--preset", "e2b"],  # one shape at a time
     ],
 )
 def test_cli_rejects_bad_specs(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str]) -> None:

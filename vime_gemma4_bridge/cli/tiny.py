@@ -46,14 +46,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     kind.add_argument(
         "--dense", action="store_true", help="dense text model (no router/experts); enables PLE and KV sharing knobs"
     )
-    kind.add_argument(
+    shape = kind.add_mutually_exclusive_group()
+    shape.add_argument(
         "--like",
         choices=sorted(DENSE_SHAPES),
         default=None,
         help="a dense family member's tiny shape (what is special in it, docs/MODEL.md); 12b writes the 12B's own "
         "classes (Gemma4Unified*); only --causal-lm, --seed and --dtype still apply",
     )
-    kind.add_argument(
+    shape.add_argument(
         "--preset",
         choices=sorted(PUBLISHED),
         default=None,
