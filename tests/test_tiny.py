@@ -234,12 +234,22 @@ def test_cli_non_default_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         ["--top-k", "32"],  # more than the experts
         ["--vocab-size", "200"],  # tokenizer does not fit
         ["--kv-shared-layers", "2"],  # dense only
-        ["--like", "e2b", "--preset", "e2b"],  # one shape at a time
     ],
 )
 def test_cli_rejects_bad_specs(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str]) -> None:
     assert cli.main(["tiny", str(tmp_path / "bad"), *extra]) == 2
     assert capsys.readouterr().err.startswith("vime-gemma4 tiny: error: ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_takes_one_shape_choice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--like`` and ``--preset`` together: argparse's one-line refusal (exit 2), nothing written."""
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["tiny", str(tmp_path / "bad"), "--like", "e2b", "--preset", "e2b"])
+    assert ended.value.code == 2
+    assert (
+        capsys.readouterr().err.strip().splitlines()[-1].endswith("argument --preset: not allowed with argument --like")
+    )
     assert list(tmp_path.iterdir()) == []
 
 
