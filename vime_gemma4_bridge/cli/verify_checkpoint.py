@@ -19,7 +19,7 @@ trusted (after a copy between nodes, or on a file system you doubt):
     shard against the xxh3_128:<name> entries of its header metadata.
 
 Files are also checked to be present, complete and safe to read. The format is documented in
-docs/ARCHITECTURE.md ("Digests"): it can be checked with hashlib alone. Exit status: 0 iff every
+docs/ARCHITECTURE.md ("Digests"): it can be checked with the xxhash package alone. Exit status: 0 iff every
 recorded digest matches; 1 if one does not (the damaged file, tensor and shard named); 2 on bad
 input, and when DIR records no digests (a training run's save, a Hub checkpoint: nothing to check
 its bytes against)."""

@@ -1,4 +1,5 @@
-"""Synthetic Gemma 4 checkpoints of a given size with 26B-A4B's proportions (the bench's input).
+"""Synthetic Gemma 4 checkpoints: of a given size with 26B-A4B's proportions (the bench's input), and at
+the members' published widths (``tiny --preset``: :data:`~vime_gemma4_bridge.testing.spec.PUBLISHED`).
 
 Why not the tiny factory (:mod:`vime_gemma4_bridge.testing.tiny`): its distinctness checks and
 ``save_pretrained`` of a materialised model would dominate at hundreds of MB. This is a Gemma 4 VL MoE
