@@ -32,7 +32,8 @@ installed here, so :func:`fork_seams` patches the installed 0.6.2 release, for t
    refuses a view), and its distributed save without an index builds ``dict(generator)`` (two-field
    items only). :func:`fork_save_generator` is that file's code in our words; the release's is not used.
    A bridge without a safetensors source (config-only) takes ``save_hf_weights``' own path, which
-   unpacks two fields (:func:`save_config_only_shards`).
+   unpacks two fields (:func:`save_config_only_shards`); so does its ``_filter_quant``, run first when
+   the model is modelopt-quantized (:func:`modelopt_is_quantized`), which re-yields plain pairs.
 7. **expert gathering at EP1** — the fork's ``MegatronParamMapping.gather_from_ep_ranks``
    (``param_mapping.py`` @d063066b) lacks the release's ``if self.ep_size == 1`` return: it broadcasts
    the experts per rank over PP, all-gathers over the one-rank EP group, and ``.squeeze()``s every
@@ -45,9 +46,12 @@ installed here, so :func:`fork_seams` patches the installed 0.6.2 release, for t
    model's own while tied is not reproduced: no Gemma 4 mapping yields that name. (The release aliases
    by the bridge's ``output_layer`` mapping, which Gemma 4's tied bridge does not have: never.)
 
-9. **the adapter export** — ``peft_bridge.py`` @21018090 ``stream_adapter_weights_megatron_to_hf(megatron_model,
-   cpu, show_progress)`` yields ``HFWeightTuple(hf_name, tensor, megatron_name)``, the third field the
-   adapter's local ``linear_in`` name for ``lora_A`` and ``linear_out`` for ``lora_B``; ``AutoBridge.
+9. **the adapter export** — :func:`fork_adapter_stream`: ``peft_bridge.py``'s
+   ``stream_adapter_weights_megatron_to_hf(megatron_model, cpu, show_progress)`` at @21018090 (with
+   the 1187a604 double) or @d063066b, in our words: ``HFWeightTuple(hf_name, tensor, megatron_name)``,
+   the third field the adapter's local ``linear_in`` name for ``lora_A`` and ``linear_out`` for
+   ``lora_B``; grouped experts one expert at a time (@21018090: 2-D adapters only) or, for a checkpoint
+   that stacks its experts, packed into stacks without the third field (@d063066b). ``AutoBridge.
    export_adapter_weights(model, cpu, show_progress)`` (``auto_bridge.py`` @d063066b, no
    ``exclude_adapter_base_prefixes``) calls it with those two keywords.
 
@@ -58,8 +62,10 @@ shared rank process can run release and fork cases one after the other.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -155,6 +161,23 @@ def fork_save_generator(source: Any, generator: Any, output_path: Any, strict: b
             )
 
 
+def modelopt_is_quantized(module: torch.nn.Module) -> bool:
+    """modelopt's ``is_quantized`` (``torch/quantization/utils/core_utils.py``, nvidia-modelopt 0.47.0): any
+    ``TensorQuantizer`` among the modules; by class name here, modelopt not being installed."""
+    return any(type(child).__name__ == "TensorQuantizer" for child in module.modules())
+
+
+def _filter_quant(generator: Any, quantizers: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``save_hf_weights``' ``_filter_quant`` (``auto_bridge.py`` @d063066b), applied when the model is
+    quantized: ``for name, tensor in gen`` (two fields), quantizer tensors (``"_quantizer."`` in the name) set
+    aside for ``modelopt_weights.pt``, the rest re-yielded as plain ``(name, tensor)`` pairs."""
+    for name, tensor in generator:
+        if "_quantizer." in name:
+            quantizers[name] = tensor
+            continue
+        yield name, tensor
+
+
 def save_config_only_shards(state_dict: dict[str, torch.Tensor], path: Any) -> None:
     """The fork's config-only save (``auto_bridge.py`` @d063066b ``save_hf_weights``): huggingface_hub's shard
     plan, one ``save_file`` per shard, an index when sharded. Its state dict is built with ``for name, tensor in
@@ -191,6 +214,96 @@ def save_generator_distributed(source: Any, generator: Any, output_path: Any) ->
     else:
         for _ in generator:
             pass
+
+
+#: The ``peft_bridge.py`` each double pairs with its ``model_bridge.py``: the one vime's three-field adapter
+#: unpack was written against (@21018090, docs/VIME.md) with 1187a604, its own commit's with d063066b.
+PEFT_BRIDGE_AT = {"1187a604": "21018090", "d063066b": "d063066b"}
+
+
+def fork_adapter_stream(self: Any, megatron_model: Any, cpu: bool = True, show_progress: bool = True, *, revision: str):
+    """``stream_adapter_weights_megatron_to_hf`` as the fork's ``peft_bridge.py`` writes it, at ``revision``.
+
+    Read there: each adapter task is materialised, then yielded as ``HFWeightTuple(hf_name, tensor,
+    megatron_name)``, the adapter's local ``linear_in`` name for ``lora_A`` and ``linear_out`` for ``lora_B``;
+    a fused adapter's ``lora_B`` is split per HF base name (``_get_fused_adapter_linear_out_slices``). A
+    grouped expert linear's adapter is gathered over EP and yielded once per expert, for the base names
+    ``_get_base_hf_param_names_for_adapter`` gives ``.weight<e>``, the expert's slice chosen by
+    ``_select_expert_adapter_weight``. The revisions differ there:
+
+    * **@21018090** — every expert, whatever its names; ``_select_expert_adapter_weight`` and, at EP > 1,
+      ``_gather_expert_adapter_weight`` ``assert weight.ndim < 3`` (its ``LoRA`` builds one 2-D adapter
+      per grouped linear). A checkpoint naming its experts stacked gets the stack's name once per expert.
+    * **@d063066b** — when the names for expert 0 carry no expert number (a stacked checkpoint), the
+      "packed" road: each expert's adapter stacked ``[E, ...]`` under the stack's name, as
+      ``HFWeightTuple(hf_name, tensor)``: the third field ``None``.
+
+    The helpers it calls are the release's, which match the fork's for these adapters.
+    """
+    from megatron.bridge.peft.utils import is_expert_linear
+
+    megatron_model = megatron_model if isinstance(megatron_model, list) else [megatron_model]
+    num_experts = megatron_model[0].config.num_moe_experts
+    tasks = [task for tasks in self.build_adapter_conversion_tasks(megatron_model).values() for task in tasks]
+    registry = self.mapping_registry()
+    for task in self._with_progress_tracking(tasks, "Streaming adapter weights", show_progress):
+        adapter = self.materialize_adapter_weights([task])[0]
+        (in_name, lora_a), (out_name, lora_b) = adapter.linear_in_weight[:2], adapter.linear_out_weight[:2]
+        is_expert = is_expert_linear(task.global_base_prefix)
+        grouped = is_expert and ".local_experts." not in task.global_base_prefix
+        gathered_a = gathered_b = None
+        if grouped:
+            if revision == "21018090":
+                assert lora_a.ndim < 3 and lora_b.ndim < 3
+            gathered_a, gathered_b = (
+                self._gather_expert_adapter_weight(lora_a),
+                self._gather_expert_adapter_weight(lora_b),
+            )
+        suffixes = [f".weight{expert}" for expert in range(num_experts)] if grouped else [".weight"]
+        if grouped and revision == "d063066b":
+            names = self._get_base_hf_param_names_for_adapter(
+                registry, task.global_base_prefix, task.adapter_key, ".weight0"
+            )
+            if names and all(self._infer_hf_expert_idx(name) is None for name in names):
+                a_names, b_names = self._build_lora_hf_names(names)
+                per_a, per_b = self._collect_packed_expert_adapter_tensors(
+                    lora_a, lora_b, gathered_a, gathered_b, num_experts
+                )
+                stacked_a = torch.stack(per_a).cpu() if cpu else torch.stack(per_a)
+                by_base = self._build_packed_expert_linear_out_by_base(
+                    megatron_model, names, per_b, is_expert=is_expert
+                )
+                for index, name in enumerate(names):
+                    yield model_bridge_tuple()(a_names[index], stacked_a)
+                    yield model_bridge_tuple()(b_names[index], by_base[name].cpu() if cpu else by_base[name])
+                continue
+        for suffix in suffixes:
+            a, b = lora_a, lora_b
+            if grouped:
+                expert = int(suffix.removeprefix(".weight"))
+                a = self._select_expert_adapter_weight(lora_a, gathered_a, expert, num_experts)
+                b = self._select_expert_adapter_weight(lora_b, gathered_b, expert, num_experts)
+            a, b = (a.cpu(), b.cpu()) if cpu else (a, b)
+            names = self._get_base_hf_param_names_for_adapter(
+                registry, task.global_base_prefix, task.adapter_key, suffix
+            )
+            a_names, b_names = self._build_lora_hf_names(names)
+            per_base = None
+            if task.adapter_key is None:
+                per_base = self._get_fused_adapter_linear_out_slices(megatron_model, names, b, is_expert=is_expert)
+            if per_base is None:
+                per_base = {names[0]: b}
+                names = names[:1]
+            for index, name in enumerate(names):
+                yield model_bridge_tuple()(a_names[index], a, in_name)
+                yield model_bridge_tuple()(b_names[index], per_base[name], out_name)
+
+
+def model_bridge_tuple() -> Any:
+    """``model_bridge.HFWeightTuple`` as the fork's ``peft_bridge.py`` imports it: the double's, in the block."""
+    from megatron.bridge.models.conversion import model_bridge
+
+    return model_bridge.HFWeightTuple
 
 
 def _recording_current_task(release_tracking: Any) -> Any:
@@ -307,6 +420,12 @@ def fork_seams(revision: str = "1187a604") -> Iterator[None]:
             show_progress=show_progress,
             merge_adapter_weights=merge_adapter_weights,
         )
+        instance = model[0]
+        while hasattr(instance, "module"):
+            instance = instance.module
+        quantizers: dict[str, torch.Tensor] = {}
+        if modelopt_is_quantized(instance):
+            generator = _filter_quant(generator, quantizers)
         source = getattr(getattr(self.hf_pretrained, "state", None), "source", None)
         if isinstance(source, state.SafeTensorsStateSource):
             source.save_generator(
@@ -318,6 +437,8 @@ def fork_seams(revision: str = "1187a604") -> Iterator[None]:
             else:
                 for _ in generator:
                     pass
+        if quantizers and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            torch.save(quantizers, Path(path) / "modelopt_weights.pt")
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
 
@@ -430,19 +551,13 @@ def fork_seams(revision: str = "1187a604") -> Iterator[None]:
             if hasattr(chunk, "output_layer"):
                 chunk.output_layer.weight.data.copy_(weights)
 
-    release_adapter_stream = bridge_cls.stream_adapter_weights_megatron_to_hf
-
-    def adapter_stream(self, megatron_model, cpu=True, show_progress=True):
-        for item in release_adapter_stream(self, megatron_model, cpu=cpu, show_progress=show_progress):
-            task = self._fork_current_task  # lora_A: the adapter's linear_in, lora_B: its linear_out
-            side = task.linear_in_task if ".lora_A." in item[0] else task.linear_out_task
-            yield ForkHFWeightTuple(item[0], item[1], side.param_name)
-
     def export_adapter_weights(self, model, cpu=True, show_progress=True):
         return self._model_bridge.stream_adapter_weights_megatron_to_hf(model, cpu=cpu, show_progress=show_progress)
 
     model_bridge.HFWeightTuple = ForkHFWeightTuple
-    bridge_cls.stream_adapter_weights_megatron_to_hf = adapter_stream
+    bridge_cls.stream_adapter_weights_megatron_to_hf = functools.partialmethod(
+        fork_adapter_stream, revision=PEFT_BRIDGE_AT[revision]
+    )
     auto_bridge.AutoBridge.export_adapter_weights = export_adapter_weights
     bridge_cls.stream_weights_megatron_to_hf = stream
     bridge_cls._with_progress_tracking = tracking

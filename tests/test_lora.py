@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -185,13 +184,17 @@ def test_vime_lora_trains_what_the_merged_export_and_the_adapter_serve(
     assert max_abs <= bound and agreement == 1.0, (max_abs, agreement)
 
 
-def _vime_save_job(hf_checkpoint: str, topology: Topology, build: str, out: str) -> dict | str:
-    """vime's ``save_lora_adapter_for_vllm`` on ``build``; the release's own adapter export to compare with."""
-    bridge, model = _trained_lora_model(hf_checkpoint, topology)
+def _vime_save_job(
+    hf_checkpoint: str, topology: Topology, build: str, out: str, targets: list[str] = TARGETS
+) -> dict | str:
+    """vime's ``save_lora_adapter_for_vllm`` on ``build`` (``release``, or ``fork`` with the double's
+    ``model_bridge.py`` revision after ``@``); the release's own adapter export to compare with."""
+    bridge, model = _trained_lora_model(hf_checkpoint, topology, targets)
     reference = {name: tensor for name, tensor, *_ in bridge.export_adapter_weights(model, show_progress=False)}
+    fork, _, revision = build.partition("@")
     try:
-        with fork_seams() if build == "fork" else contextlib.nullcontext():
-            save_lora_adapter_for_vllm(bridge, model, TARGETS, RANK, ALPHA, Path(out))
+        with fork_seams(revision or "1187a604") if fork == "fork" else contextlib.nullcontext():
+            save_lora_adapter_for_vllm(bridge, model, targets, RANK, ALPHA, Path(out))
     except ValueError as error:  # every rank fails alike, before any collective of the save
         return str(error)
     return reference
@@ -245,20 +248,23 @@ def test_adapters_on_a_post_norm_linear_are_placed_or_refused() -> None:
 
 def _refused_export_job(hf_checkpoint: str, case: str) -> str:
     """The adapter export of a model LoRA'd on ``linear_v`` alone, or LoRA'd after the build (not as a
-    provider pre-wrap hook: Megatron-Bridge's own placement); its error, if any."""
+    provider pre-wrap hook: Megatron-Bridge's own placement), or the build of a model LoRA'd on its routed
+    experts at ETP2; its error, if any."""
     from megatron.bridge import AutoBridge
     from megatron.bridge.peft.lora import LoRA
 
     from vime_gemma4_bridge.convert import model as convert
     from vime_gemma4_bridge.convert.topology import init_model_parallel
 
-    if case == "v-only":
-        bridge, model = _trained_lora_model(hf_checkpoint, Topology(), ["linear_v"])
-    else:
-        init_model_parallel(Topology())
-        bridge = AutoBridge.from_hf_pretrained(hf_checkpoint)
-        model = LoRA(target_modules=TARGETS, dim=RANK, alpha=ALPHA)(convert.build_model(bridge, Topology()))
     try:
+        if case == "v-only":
+            bridge, model = _trained_lora_model(hf_checkpoint, Topology(), ["linear_v"])
+        elif case == "experts-etp2":
+            bridge, model = _trained_lora_model(hf_checkpoint, Topology(tp=2, etp=2), MLP_TARGETS)
+        else:
+            init_model_parallel(Topology())
+            bridge = AutoBridge.from_hf_pretrained(hf_checkpoint)
+            model = LoRA(target_modules=TARGETS, dim=RANK, alpha=ALPHA)(convert.build_model(bridge, Topology()))
         list(bridge.export_adapter_weights(model, show_progress=False))
     except ValueError as error:
         return str(error)
@@ -272,6 +278,8 @@ def _refused_export_job(hf_checkpoint: str, case: str) -> str:
         ("v-only", "model.language_model.layers.1.self_attn.v_proj.lora_A.weight: a v_proj adapter of a k_eq_v"),
         # It trained post_norm(W x) + B A x, which neither export can represent; the line names the fix.
         ("late", "decoder.layers.0.self_attention.linear_proj: this adapter was applied after the Gemma 4 provider"),
+        # Megatron-Bridge's expert adapter mixes partial products over ETP ranks (UPSTREAM 59): refused at build.
+        ("experts-etp2", "decoder.layers.0.mlp.experts.linear_fc1: LoRA on routed experts at expert tensor parallel"),
     ],
 )
 def test_adapters_no_export_can_represent_are_refused(local_world, checkpoint: Path, case: str, message: str) -> None:
@@ -279,19 +287,25 @@ def test_adapters_no_export_can_represent_are_refused(local_world, checkpoint: P
     assert got.startswith(message), got
 
 
-def test_expert_adapters_are_split_per_expert_only_when_stacked() -> None:
-    """The release streams a layer's expert adapters stacked; one expert's (2-D, as the fork @21018090 streams
-    them under the same stacked name) cannot be told apart by name, and is refused rather than mis-split."""
-    from vime_gemma4_bridge.core.lora import _per_expert
-
-    class Item(NamedTuple):
-        param_name: str
-        weight: torch.Tensor
-
-    stack = "model.layers.0.experts.gate_up_proj"
-    stacked = Item(f"{stack}.lora_B.weight", torch.arange(2 * 4 * 3.0).reshape(2, 4, 3))
-    split = {item.param_name: item.weight for item in _per_expert(stacked, stack, ".lora_B.weight")}
-    assert list(split) == [f"model.layers.0.experts.{e}.{p}_proj.lora_B.weight" for e in (0, 1) for p in ("gate", "up")]
-    assert torch.equal(split["model.layers.0.experts.1.up_proj.lora_B.weight"], stacked.weight[1, 2:])
-    with pytest.raises(ValueError, match=r"gate_up_proj.lora_B.weight: expected the experts' adapters stacked"):
-        list(_per_expert(Item(stacked.param_name, stacked.weight[0]), stack, ".lora_B.weight"))
+@pytest.mark.parametrize("revision", ["1187a604", "d063066b"])
+def test_vime_expert_lora_adapter_on_the_fork(local_world, checkpoint: Path, tmp_path: Path, revision: str) -> None:
+    """vime's save of an MoE adapter (``linear_fc1`` / ``linear_fc2``: the dense MLP and every routed
+    expert) on the fork double, at EP2. The fork's ``peft_bridge.py`` asks each expert's HF base names:
+    given the stack's, @21018090 yields each expert's adapter under the stack's name (the plugin refused
+    it: the experts cannot be told apart) and @d063066b packs the experts into stacks without a Megatron
+    name. The plugin names each expert's own tensors, so both take the fork's per-expert road: vime writes
+    exactly the release's export, ``experts.<e>.<gate|up|down>_proj.lora_A/B.weight``."""
+    out = tmp_path / "adapter"
+    build = f"fork@{revision}"
+    results = local_world(2).run(_vime_save_job, str(checkpoint), Topology(ep=2), build, str(out), MLP_TARGETS)
+    assert all(isinstance(result, dict) for result in results), results
+    saved = torch.load(out / "adapter_model.bin", weights_only=True)
+    assert list(saved) == list(results[0]) and all(torch.equal(saved[n], results[0][n]) for n in saved)
+    text = HFCheckpoint(checkpoint).config["text_config"]
+    layers, experts = range(len(text["layer_types"])), range(text["num_experts"])
+    modules = [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+    modules += [f"experts.{e}.{p}_proj" for e in experts for p in ("gate", "up", "down")]
+    prefix = "model.language_model.layers"
+    assert set(saved) == {f"{prefix}.{i}.{m}.lora_{s}.weight" for i in layers for m in modules for s in "AB"}
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["gate_proj", "up_proj", "down_proj"]

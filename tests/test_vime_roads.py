@@ -127,46 +127,55 @@ def test_save_hf_pretrained_one_rank(local_world, checkpoints, tmp_path: Path, b
     assert_saved(results, checkpoints[checkpoint], out)
 
 
-def _config_only_save_job(hf_checkpoint: str, out: str) -> str:
-    """The fork's ``save_hf_weights`` on a config-only bridge (``hf_pretrained`` a ``PretrainedConfig``)."""
+def _loaded_at_one_rank(hf_checkpoint: str) -> tuple:
+    """The checkpoint's bridge and its model at the default topology, loaded (in the caller's build)."""
     from megatron.bridge import AutoBridge
 
     from vime_gemma4_bridge.convert import model as convert
     from vime_gemma4_bridge.convert.topology import init_model_parallel
 
+    init_model_parallel(Topology())
+    bridge = AutoBridge.from_hf_pretrained(hf_checkpoint)
+    model = convert.build_model(bridge, Topology())
+    bridge.load_hf_weights(model)
+    return bridge, model
+
+
+def _two_field_save_job(hf_checkpoint: str, out: str, case: str) -> str:
+    """The fork's ``save_hf_weights`` on a config-only bridge (``hf_pretrained`` a ``PretrainedConfig``), or
+    vime's ``save_hf_pretrained`` of a model modelopt calls quantized (a module of class ``TensorQuantizer``
+    among its modules: modelopt's ``is_quantized``)."""
     with fork_seams():
-        init_model_parallel(Topology())
-        bridge = AutoBridge.from_hf_pretrained(hf_checkpoint)
-        model = convert.build_model(bridge, Topology())
-        bridge.load_hf_weights(model)
-        bridge.hf_pretrained = bridge.hf_pretrained.config
+        bridge, model = _loaded_at_one_rank(hf_checkpoint)
+        if case == "config-only":
+            bridge.hf_pretrained = bridge.hf_pretrained.config
+        else:
+            model[0].add_module("stand_in_quantizer", type("TensorQuantizer", (torch.nn.Module,), {})())
         try:
-            bridge.save_hf_weights(model, out)
+            bridge.save_hf_pretrained(model, out) if case == "quantized" else bridge.save_hf_weights(model, out)
         except ValueError as error:
             return str(error)
         return "saved"
 
 
-def test_fork_double_config_only_save_unpacks_two_fields(local_world, checkpoints, tmp_path: Path) -> None:
-    """``auto_bridge.py`` @d063066b ``save_hf_weights``, config-only branch: ``{name: tensor.contiguous().cpu() for
-    name, tensor in generator}`` meets the fork's own three-field tuples (one rank: the others would wait for it)."""
-    results = local_world(1).run(_config_only_save_job, str(checkpoints["vl"]), str(tmp_path / "out"))
+@pytest.mark.parametrize("case", ["config-only", "quantized"])
+def test_fork_double_saves_that_unpack_two_fields(local_world, checkpoints, tmp_path: Path, case: str) -> None:
+    """``auto_bridge.py`` @d063066b ``save_hf_weights`` unpacks ``for name, tensor in ...`` twice: its
+    config-only branch (``{name: tensor.contiguous().cpu() ...}``) and, on a modelopt-quantized model, its
+    ``_filter_quant``. Either meets the fork's own three-field tuples, for any model (one rank: the others
+    would wait for it); nothing is written. Neither is a vime road: vime's saves open the bridge on the
+    checkpoint, and vime does not quantize the actor with modelopt."""
+    out = tmp_path / "out"
+    results = local_world(1).run(_two_field_save_job, str(checkpoints["vl"]), str(out), case)
     assert results == ["too many values to unpack (expected 2)"], results
+    assert not list(out.glob("*.safetensors"))
 
 
 def _tied_alias_job(hf_checkpoint: str) -> dict[str, list[str]]:
     """The fork's export names, from the source and config-only, and whether each alias is the embedding."""
-    from megatron.bridge import AutoBridge
-
-    from vime_gemma4_bridge.convert import model as convert
-    from vime_gemma4_bridge.convert.topology import init_model_parallel
-
     names: dict[str, list[str]] = {}
     with fork_seams():
-        init_model_parallel(Topology())
-        bridge = AutoBridge.from_hf_pretrained(hf_checkpoint)
-        model = convert.build_model(bridge, Topology())
-        bridge.load_hf_weights(model)
+        bridge, model = _loaded_at_one_rank(hf_checkpoint)
         for source in ("checkpoint", "config-only"):
             if source == "config-only":
                 bridge.hf_pretrained = bridge.hf_pretrained.config

@@ -23,7 +23,7 @@ import torch
 from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
 from megatron.bridge.peft.lora_layers import LoRALinear
 
-from vime_gemma4_bridge.core.hf_layout import STACK_NAME, STACK_PROJECTIONS, per_expert_name, split_expert
+from vime_gemma4_bridge.core.hf_layout import STACK_NAME, STACK_PROJECTIONS, per_expert_name
 from vime_gemma4_bridge.core.model import attention_config
 
 
@@ -51,13 +51,36 @@ def _placed(adapter: AdapterWrapper) -> bool:
     return getattr(adapter.to_wrap, "return_layernorm_output", True)
 
 
+def refuse_expert_adapters_split_over_etp(model: list[torch.nn.Module]) -> None:
+    """Refuse routed-expert adapters when the experts are tensor-parallel (ETP > 1) (UPSTREAM 59).
+
+    There Megatron-Bridge's expert adapter trains one function and exports another: ``linear_fc2``'s
+    adapter (row-parallel ``linear_in`` left unreduced, as megatron-core does for expert linears, then a
+    gathering ``linear_out``) concatenates the ranks' partial products instead of summing them, and the
+    release exports ``linear_fc1``'s ``lora_B`` rows in the ranks' ``[gate; up]`` shard order as if unsharded.
+    """
+    from megatron.bridge.peft.utils import is_expert_linear
+    from megatron.core import parallel_state
+
+    etp = parallel_state.get_expert_tensor_parallel_world_size() or 1  # None: no model parallel state
+    experts = [name for name, _ in _adapters(model) if is_expert_linear(name)] if etp > 1 else []
+    if experts:
+        raise ValueError(
+            f"{experts[0]}: LoRA on routed experts at expert tensor parallel size {etp} trains and exports "
+            "different functions in Megatron-Bridge; use --expert-tensor-parallel-size 1, or leave the experts "
+            "out of the LoRA targets"
+        )
+
+
 def with_gemma4_adapters(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """``model`` with every adapter placed as Hugging Face places it (in place; idempotent).
 
     A plain ``LoRALinear`` around a post-norm linear becomes :class:`PostNormLoRALinear`; an input-norm
     linear under any adapter returns its norm's output, so the adapter reads what the linear reads.
-    Any other adapter type around a post-norm linear is refused: its merge would not be what it trained.
+    Any other adapter type around a post-norm linear is refused: its merge would not be what it trained;
+    so are routed-expert adapters at ETP > 1 (:func:`refuse_expert_adapters_split_over_etp`).
     """
+    refuse_expert_adapters_split_over_etp(model)
     for name, adapter in _adapters(model):
         if _placed(adapter):
             continue
@@ -73,26 +96,12 @@ def with_gemma4_adapters(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
     return model
 
 
-def _per_expert(item: Any, stack: str, side: str) -> Iterator[Any]:
-    """A stacked expert adapter (``[E, ...]``) as the per-expert adapters vLLM's Gemma 4 loader names (UPSTREAM 56):
-    ``<layer>.experts.<e>.<gate|up|down>_proj.lora_<A|B>.weight``; ``gate_up``'s one ``lora_A`` serves both."""
-    if item[1].ndim != 3:  # the fork @21018090 streams expert adapters one expert at a time: not read here
-        raise ValueError(f"{item[0]}: expected the experts' adapters stacked [experts, ...], got {list(item[1].shape)}")
-    projections = STACK_PROJECTIONS[STACK_NAME.match(stack)["stack"]]
-    for expert, weight in enumerate(item[1]):
-        if side == ".lora_B.weight":  # output rows: gate's, then up's
-            parts = split_expert(stack, expert, weight)
-        else:
-            parts = [(per_expert_name(stack, expert, projection), weight) for projection in projections]
-        for name, tensor in parts:
-            yield item._replace(param_name=name.removesuffix(".weight") + side, weight=tensor)
-
-
 class Gemma4AdapterExport:
     """Bridge mixin: Gemma 4's adapter export and merge, over Megatron-Bridge's (both builds share these hooks).
 
     * both exports refuse adapters that were not placed as HF places them (:func:`with_gemma4_adapters`);
-    * the routed experts' stacked adapters stream per expert (:func:`_per_expert`);
+    * the routed experts' adapters stream per expert, as vLLM's Gemma 4 loader names them
+      (:meth:`_get_base_hf_param_names_for_adapter`);
     * a fused QKV adapter's ``lora_B`` is split by its layer's own attention shape.
 
     Megatron-Bridge splits it with the model-wide config, in the adapter export and in the merged
@@ -106,11 +115,13 @@ class Gemma4AdapterExport:
     """
 
     def build_adapter_conversion_tasks(self, megatron_model: list, *args: Any, **kwargs: Any) -> Any:
-        """Upstream's adapter tasks (both exports build them), once every adapter is known to be placed.
+        """Upstream's adapter tasks (both exports build them), once every adapter is known to be placed
+        (and no routed expert's adapter is split over ETP ranks: :func:`refuse_expert_adapters_split_over_etp`).
 
         An adapter applied to the built model rather than as a provider pre-wrap hook trained with
         Megatron-Bridge's placement (``post_norm(W x) + B A x``), which no export can represent.
         """
+        refuse_expert_adapters_split_over_etp(megatron_model)
         misplaced = [name for name, adapter in _adapters(megatron_model) if not _placed(adapter)]
         if misplaced:
             raise ValueError(
@@ -140,6 +151,33 @@ class Gemma4AdapterExport:
         by_role = self._qkv_slices(megatron_model, layer, linear_out_tensor)
         return {name: by_role[self._infer_qkv_projection_from_name(name)] for name in base_hf_weight_names}
 
+    def _get_base_hf_param_names_for_adapter(
+        self, mapping_registry: Any, global_base_prefix: str, adapter_key: str | None, base_suffix: str
+    ) -> list[str]:
+        """Upstream's HF base names of an adapter; a routed expert's (``.weight<e>``) per expert, not its stack.
+
+        Every build asks this per expert (``.weight<e>``) on its grouped-expert road. Given the stack's
+        name, the fork @21018090 yields each expert's adapter under the stack's name (nothing tells the
+        experts apart), and the release and the fork @d063066b take a "packed" road of ``[E, ...]`` stacks
+        (no Megatron name on the fork's third field). Given ``<layer>.experts.<e>.<gate|up|down>_proj.weight``,
+        all three take their per-expert road: the expert's slice of the adapter (shared per EP rank or one
+        per expert), a ``gate_up`` ``lora_B`` split by upstream's expert-TP-aware rule, the build's own
+        tuple, named ``<layer>.experts.<e>.<gate|up|down>_proj.lora_A/B.weight`` as vLLM's Gemma 4 loader
+        takes them (0.32.0 ``models/gemma4.py``; UPSTREAM 56). CanonicalLoRA's keyed adapters keep
+        upstream's names.
+        """
+        names = super()._get_base_hf_param_names_for_adapter(
+            mapping_registry, global_base_prefix, adapter_key, base_suffix
+        )
+        expert = re.fullmatch(r"\.weight(\d+)", base_suffix)
+        if expert is None or adapter_key is not None:
+            return names
+        return [
+            per_expert_name(name, int(expert[1]), projection)
+            for name in names
+            for projection in STACK_PROJECTIONS[STACK_NAME.match(name)["stack"]]
+        ]
+
     def stream_adapter_weights_megatron_to_hf(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         """The adapter export, with a k_eq_v full layer's ``v_proj`` adapter replaced by its ``k_proj`` one.
 
@@ -149,9 +187,6 @@ class Gemma4AdapterExport:
         adapted_k: dict[str, torch.Tensor] = {}
         for item in super().stream_adapter_weights_megatron_to_hf(*args, **kwargs):
             base, side = re.fullmatch(r"(.*)(\.lora_[AB]\.weight)", item[0]).groups()
-            if STACK_NAME.match(base):
-                yield from _per_expert(item, base, side)
-                continue
             if base.endswith(".k_proj"):
                 adapted_k[base[: -len("k_proj")] + "v_proj" + side] = item[1]
             elif self._absent_in_hf(base + ".weight"):
