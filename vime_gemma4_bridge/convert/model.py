@@ -37,7 +37,9 @@ def build_model(bridge: Any, topology: Topology, *, initialize: bool = True) -> 
 
     ``initialize=False`` leaves the weights as allocated (megatron-core's ``perform_initialization``):
     for a caller that overwrites every weight next, random initialisation is pure cost (~3 s/GB on
-    one core) and touches memory that streamed weights never need.
+    one core) and touches memory that streamed weights never need. On the CPU it is also
+    megatron-core's ``_initialize_affine_weight_cpu``: a full, unsharded fp32 master weight per
+    parallel linear on every rank (2.95 GB for 26B-A4B's embedding at any TP).
     """
     on_gpu = not on_host()
     provider = bridge.to_megatron_provider(load_weights=False)

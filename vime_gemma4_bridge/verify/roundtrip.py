@@ -44,7 +44,7 @@ def roundtrip_job(
     result: dict[str, Any] | None = None
     with contextlib.redirect_stdout(sys.stderr):  # megatron-core's and the bridge's chatter: stdout is the report's
         bridge = open_bridge(hf_checkpoint)
-        model = build_model(bridge, topology)
+        model = build_model(bridge, topology, initialize=False)  # every weight is loaded next
         bridge.load_hf_weights(model)
         # The check alone holds nothing: rank 0 compares each exported tensor as it comes with the source's,
         # read one at a time. --output keeps the export (it is written once proven identical).
