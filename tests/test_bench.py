@@ -24,7 +24,8 @@ LAST_LINE = re.compile(
     r"live_vs_copy=(?P<live_vs_copy>[0-9.]+) live_peak_extra_mb=(?P<live>[0-9.]+) "
     r"layer_experts_mb=(?P<experts>[0-9.]+) import_peak_extra_mb=(?P<import_peak>[0-9.]+) "
     r"export_peak_extra_mb=(?P<export_peak>[0-9.]+) live_per_expert_peak_extra_mb=(?P<per_expert>[0-9.]+) "
-    r"live_fp8_gb_per_s=(?P<fp8_gb_per_s>[0-9.]+) checksum_overhead=(?P<checksum_overhead>[0-9.]+)$"
+    r"live_fp8_gb_per_s=(?P<fp8_gb_per_s>[0-9.]+) checksum_overhead=(?P<checksum_overhead>[0-9.]+) "
+    r"rank_peak_over_shard=(?P<over_shard>nan|[0-9.]+) roundtrip_rank0_extra_mb=(?P<rank0_extra>nan|-?[0-9.]+)$"
 )
 
 STEPS = ["reference", "live", "live-per-expert", "live-fp8", "copy", "import", "export"]
@@ -66,6 +67,7 @@ def test_bench_runs_and_prints_the_headline_last(local_world, tmp_path: Path, ca
     match = LAST_LINE.match(lines[-1])
     assert match, lines[-1]
     figures = {name: float(value) for name, value in match.groupdict().items()}
+    assert math.isnan(figures.pop("over_shard")) and math.isnan(figures.pop("rank0_extra")), "not without --real-width"
     assert all(value > 0 and math.isfinite(value) for value in figures.values()), figures
     assert figures["experts"] == pytest.approx(result.layer_experts / 1e6, abs=0.05)
     for step in ("import", "export"):  # digests recorded (import) and checked, written with the shards (export)
@@ -73,6 +75,33 @@ def test_bench_runs_and_prints_the_headline_last(local_world, tmp_path: Path, ca
         assert 0 < found.checksum_seconds < found.seconds, found
     assert any(line.startswith("| 0.00") and "| export |" in line for line in lines)
     assert not list((tmp_path / "work").iterdir()), "checkpoints are removed unless --keep"
+
+
+def test_real_width_measures_every_rank_against_its_shard(local_world, tmp_path: Path) -> None:
+    """``--real-width``'s machinery on a small MoE: build + load at EP2 and a bitwise round trip at TP2 on 2
+    ranks; every rank reports its shard and peak, and both figures reach the last line."""
+    from vime_gemma4_bridge.convert.topology import Topology
+
+    spec = synthetic.spec_for_size(3_000_000)
+    wide = bench.measure_real_width(
+        tmp_path / "work",
+        spec,
+        load=(2, Topology(ep=2)),
+        roundtrip=(2, Topology(tp=2)),
+        world_for=local_world,
+        log=lambda _: None,
+    )
+    assert len(wide.load) == 2 and wide.roundtrip_topology == str(Topology(tp=2))
+    for rank in [*wide.load, wide.roundtrip]:
+        assert 0 < rank["shard_bytes"] < wide.size_bytes and rank["load_peak"] >= rank["start_rss"] > 0, rank
+    assert wide.rank_peak_over_shard == max(r["load_peak"] / r["shard_bytes"] for r in wide.load) > 1
+    lines = bench_report.real_width_lines(wide)
+    assert lines[1].startswith("target every rank's peak RSS <= 1.5x its shard (build + load): ")
+    assert bench_report.real_width_fields(wide) == (
+        f"rank_peak_over_shard={wide.rank_peak_over_shard:.3f} "
+        f"roundtrip_rank0_extra_mb={wide.roundtrip_rank0_extra / 1e6:.1f}"
+    )
+    assert not list((tmp_path / "work").iterdir())
 
 
 def test_dense_bench_measures_against_the_largest_tensor(local_world, tmp_path: Path) -> None:

@@ -50,10 +50,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from vime_gemma4_bridge.cli.bench_jobs import live_job, measured_job, reference_job
-from vime_gemma4_bridge.cli.bench_report import BenchResult, Step, format_report
+from vime_gemma4_bridge.cli.bench_jobs import live_job, measured_job, reference_job, shard_memory_job
+from vime_gemma4_bridge.cli.bench_report import BenchResult, RealWidth, Step, format_report
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.runtime.world import LocalWorld
+from vime_gemma4_bridge.testing.spec import TinySpec, preset
 from vime_gemma4_bridge.testing.synthetic import (
     dense_spec_for_size,
     largest_tensor_bytes,
@@ -62,7 +63,7 @@ from vime_gemma4_bridge.testing.synthetic import (
     write_synthetic_checkpoint,
 )
 
-__all__ = ["add_parser", "main", "run_bench"]
+__all__ = ["add_parser", "main", "measure_real_width", "run_bench"]
 
 #: ``--quick``: one size at one rank, under two minutes on 2 cores. Big enough that the fixed costs
 #: of a conversion (parallel state, building the model, planning: ~0.5 s) do not swamp a reference
@@ -101,6 +102,7 @@ def run_bench(
     world_for: Callable[[int], LocalWorld] | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
     dense: bool = False,
+    real_width: bool = False,
 ) -> BenchResult:
     """Write the checkpoint(s), then for each world size run (a)-(d) on every size in one LocalWorld.
 
@@ -108,6 +110,7 @@ def run_bench(
     ranks are alive. The reference is measured once per size, in rank 0 of the first world.
     ``world_for(n)`` supplies the worlds instead (e.g. a test session's shared one; not closed here).
     ``dense``: an E4B-shaped dense checkpoint instead, measured against its largest tensor (the PLE table).
+    ``real_width``: then memory at the shard on 26B-A4B's published widths (:func:`measure_real_width`).
     """
     from vime_gemma4_bridge.convert.torch_dist_jobs import export_job, import_job
 
@@ -216,7 +219,47 @@ def run_bench(
     if not keep:
         for source in sources:
             shutil.rmtree(source, ignore_errors=True)
+    if real_width:
+        result.real_width = measure_real_width(workdir, keep=keep, quiet=quiet, log=log)
     return result
+
+
+#: ``--real-width``: the published 26B-A4B cut to two layers (one sliding, one full; 4.76 GB), loaded at the
+#: seed's topology on 8 ranks, and round-tripped at the largest world whose export fits 24 GB here (UPSTREAM 60).
+REAL_WIDTH_PRESET, REAL_WIDTH_LAYERS = "26b-a4b", 2
+REAL_WIDTH_LOAD = (8, Topology(tp=2, pp=2, ep=4))
+REAL_WIDTH_ROUNDTRIP = (2, Topology(ep=2))
+
+
+def measure_real_width(
+    workdir: Path,
+    spec: TinySpec | None = None,
+    *,
+    load: tuple[int, Topology] = REAL_WIDTH_LOAD,
+    roundtrip: tuple[int, Topology] = REAL_WIDTH_ROUNDTRIP,
+    keep: bool = False,
+    quiet: bool = True,
+    world_for: Callable[[int], LocalWorld] | None = None,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> RealWidth:
+    """Memory at the shard at published widths (``spec``, default :data:`REAL_WIDTH_PRESET` cut to
+    :data:`REAL_WIDTH_LAYERS` layers): every rank's peak RSS over its shard bytes while the model is built
+    and loaded at ``load`` (world size, topology), and rank 0's peak over its shard during a round trip at
+    ``roundtrip``, which must be bitwise. ``world_for(n)`` supplies the worlds (not closed here)."""
+    spec = spec or preset(REAL_WIDTH_PRESET, REAL_WIDTH_LAYERS)
+    path, nbytes = write_synthetic_checkpoint(workdir / "hf-real-width", spec)
+    log(f"bench: real width: {nbytes / 1e9:.3f} GB, hidden {spec.hidden_size}, {spec.layers} layers")
+    runs = {}
+    for what, (nproc, topology) in (("load", load), ("roundtrip", roundtrip)):
+        with contextlib.ExitStack() as stack:
+            world = world_for(nproc) if world_for else stack.enter_context(LocalWorld(nproc))
+            runs[what] = world.run(shard_memory_job, str(path), topology, what == "roundtrip", quiet)
+        log(f"bench: real width: {what} at {topology} on {nproc} ranks done")
+    if not runs["roundtrip"][0]["identical"]:
+        raise RuntimeError(f"the round trip of {path} at {roundtrip[1]} was not bitwise identical")
+    largest = largest_tensor_bytes(path)[1]
+    _cleanup(path, keep)
+    return RealWidth(nbytes, largest, str(load[1]), runs["load"], str(roundtrip[1]), runs["roundtrip"][0])
 
 
 def _best_of(measure: Callable[[], list[dict]], *, outputs: Sequence[Path]) -> list[dict]:
@@ -304,7 +347,8 @@ then in block FP8; (e) its yardstick, a plain torch.clone of the same weights. E
 the ranks (start-up and imports excluded) with its peak RSS. Prints a table, the targets and, last
 (nproc 1, the first size): export_vs_reference=.. import_vs_reference=.. live_vs_copy=..
 live_peak_extra_mb=.. layer_experts_mb=.. import_peak_extra_mb=.. export_peak_extra_mb=..
-live_per_expert_peak_extra_mb=.. live_fp8_gb_per_s=..
+live_per_expert_peak_extra_mb=.. live_fp8_gb_per_s=.. checksum_overhead=.. rank_peak_over_shard=..
+roundtrip_rank0_extra_mb=.. (the last two nan unless --real-width).
 With --scaling, also twice the first size: time and peak-memory doubling ratios. With --dense e4b,
 an E4B-shaped dense checkpoint instead (PLE table the largest tensor; TP = min(nproc, 2)): the
 memory yardstick is that tensor (largest_tensor_mb= in place of layer_experts_mb=). Targets are
@@ -354,6 +398,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "TP = min(nproc, 2))",
     )
     parser.add_argument(
+        "--real-width",
+        action="store_true",
+        help="also measure memory at the shard on 26B-A4B's published widths cut to 2 layers (4.8 GB, as tiny "
+        "--preset 26b-a4b --layers 2): every rank's peak RSS over its shard while building and loading at "
+        "TP2·PP2·EP4 on 8 ranks, and rank 0's during a round trip at EP2 on 2 ranks (~18 GB of RAM, ~2 min)",
+    )
+    parser.add_argument(
         "--buffer-size",
         default="64MB",
         metavar="SIZE",
@@ -397,6 +448,7 @@ def main(args: argparse.Namespace) -> int:
             quiet=not args.verbose,
             keep=args.keep and bool(args.workdir),
             dense=bool(args.dense),
+            real_width=args.real_width,
         )
     lines = format_report(result)
     if args.json:

@@ -261,3 +261,31 @@ def _copy_reference(bridge: Any, model: Sequence[Any], buffer_size: int) -> dict
             del copied
         del chunk
     return {"seconds": seconds, "cpu": cpu, "peak_rss": _rss_bytes(), "extra_rss": largest}
+
+
+def shard_memory_job(hf_checkpoint: str, topology: Topology, roundtrip: bool, quiet: bool = True) -> dict[str, Any]:
+    """Memory at the shard (every rank): peak RSS while the model is built and loaded at ``topology`` (as
+    ``roundtrip``, ``export-live`` and vime's HF ``--load`` road do), this rank's shard bytes (its
+    parameters) and its RSS before; with ``roundtrip``, then the peak while the export streams against the
+    source as ``roundtrip`` checks it (rank 0 compares) and whether it was bitwise identical.
+    """
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+    from vime_gemma4_bridge.io import hf as hf_io
+    from vime_gemma4_bridge.verify.roundtrip import compare_on_rank0
+
+    with silenced(quiet):
+        init_model_parallel(topology)
+        _release_memory()
+        with PeakRSS() as load:
+            bridge = convert.open_bridge(hf_checkpoint)
+            model = convert.build_model(bridge, topology, initialize=False)
+            bridge.load_hf_weights(model)
+        shard = sum(p.numel() * p.element_size() for chunk in model for p in chunk.parameters())
+        result: dict[str, Any] = {"start_rss": load.baseline, "load_peak": load.peak, "shard_bytes": shard}
+        if roundtrip:
+            with PeakRSS() as check:
+                source = hf_io.HFCheckpoint(hf_checkpoint)
+                comparison = compare_on_rank0(source, convert.export_language_model(bridge, model), topology)
+            result |= {"roundtrip_peak": check.peak, "identical": comparison is None or comparison.identical}
+    return result

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from vime_gemma4_bridge.testing.spec import TinySpec
 
-__all__ = ["BenchResult", "Step", "format_report"]
+__all__ = ["BenchResult", "RealWidth", "Step", "format_report", "real_width_fields", "real_width_lines"]
 
 #: Targets of the performance issue; reported, never asserted.
 TARGET_CONVERSION_VS_REFERENCE = 1.5
@@ -28,6 +28,10 @@ TARGET_PEAK_DOUBLING = 1.2
 #: per-expert live export peak extra RSS: at most the chunk plus this (one expert, its EP gather, the allocator).
 TARGET_PER_EXPERT_MARGIN = 64 * 10**6
 STEPS = ("reference", "import", "export", "live", "copy")
+#: Issue 35: every rank's peak RSS over its shard bytes (build + load, 8 ranks at real widths).
+TARGET_RANK_PEAK_OVER_SHARD = 1.5
+#: Issue 35: rank 0's peak over its shard during a round trip, in largest tensors (no whole-model copies).
+TARGET_ROUNDTRIP_RANK0_EXTRA_TENSORS = 2
 
 
 @dataclass
@@ -53,6 +57,33 @@ class Step:
 
 
 @dataclass
+class RealWidth:
+    """``--real-width``: memory at the shard on published widths (``bench._real_width``).
+
+    ``load`` holds every rank's ``start_rss`` / ``load_peak`` / ``shard_bytes``; ``roundtrip`` rank 0's,
+    with its ``roundtrip_peak``.
+    """
+
+    size_bytes: int
+    largest_tensor: int
+    load_topology: str
+    load: list[dict]
+    roundtrip_topology: str
+    roundtrip: dict
+
+    @property
+    def rank_peak_over_shard(self) -> float:
+        """The largest over the ranks of peak RSS (build + load) / the rank's shard bytes."""
+        return max(rank["load_peak"] / rank["shard_bytes"] for rank in self.load)
+
+    @property
+    def roundtrip_rank0_extra(self) -> int:
+        """Rank 0's peak RSS during the round trip over its RSS before it and its shard bytes."""
+        rank0 = self.roundtrip
+        return max(rank0["load_peak"], rank0["roundtrip_peak"]) - rank0["start_rss"] - rank0["shard_bytes"]
+
+
+@dataclass
 class BenchResult:
     """Everything one bench run measured, and the headline figures derived from it."""
 
@@ -64,6 +95,7 @@ class BenchResult:
     steps: list[Step]
     generate_seconds: list[float]
     dense_model: bool = False
+    real_width: RealWidth | None = None
 
     @property
     def yardstick(self) -> str:
@@ -247,6 +279,7 @@ def format_report(result: BenchResult) -> list[str]:
             + " "
             + " ".join(f"peak_doubling_{step}={_fmt(value, 3)}" for step, value in peaks.items())
         )
+    lines += real_width_lines(result.real_width) if result.real_width else []
     lines.append(
         f"export_vs_reference={_fmt(export, 3)} import_vs_reference={_fmt(imp, 3)} "
         f"live_vs_copy={_fmt(live_vs_copy, 3)} live_peak_extra_mb={live_extra / 1e6:.1f} "
@@ -254,9 +287,38 @@ def format_report(result: BenchResult) -> list[str]:
         f"export_peak_extra_mb={result.peak_extra('export') / 1e6:.1f} "
         f"live_per_expert_peak_extra_mb={per_expert_extra / 1e6:.1f} "
         f"live_fp8_gb_per_s={_fmt(fp8.gb_per_s if fp8 else math.nan, 3)} "
-        f"checksum_overhead={_fmt(result.checksum_overhead(), 3)}"
+        f"checksum_overhead={_fmt(result.checksum_overhead(), 3)} {real_width_fields(result.real_width)}"
     )
     return lines
+
+
+def real_width_lines(wide: RealWidth) -> list[str]:
+    """``--real-width``'s figures: every rank's peak and shard, rank 0's round trip, and the two targets."""
+    return [
+        f"real width: {wide.size_bytes / 1e9:.3f} GB, largest tensor {wide.largest_tensor / 1e6:.1f} MB; "
+        f"build + load at {wide.load_topology}, per rank peak RSS / shard GB: "
+        + ", ".join(f"{r['load_peak'] / 1e9:.2f}/{r['shard_bytes'] / 1e9:.2f}" for r in wide.load)
+        + f" (RSS before: {min(r['start_rss'] for r in wide.load) / 1e9:.2f} GB); round trip at "
+        f"{wide.roundtrip_topology}, rank 0: peak {wide.roundtrip['roundtrip_peak'] / 1e9:.2f} GB, shard "
+        f"{wide.roundtrip['shard_bytes'] / 1e9:.2f} GB, bitwise",
+        _target(
+            f"every rank's peak RSS <= {TARGET_RANK_PEAK_OVER_SHARD}x its shard (build + load)",
+            wide.rank_peak_over_shard <= TARGET_RANK_PEAK_OVER_SHARD,
+            f"{_fmt(wide.rank_peak_over_shard)}x",
+        ),
+        _target(
+            f"round-trip rank 0 peak over its shard <= {TARGET_ROUNDTRIP_RANK0_EXTRA_TENSORS}x the largest tensor",
+            wide.roundtrip_rank0_extra <= TARGET_ROUNDTRIP_RANK0_EXTRA_TENSORS * wide.largest_tensor,
+            f"{wide.roundtrip_rank0_extra / 1e6:.1f} MB vs {wide.largest_tensor / 1e6:.1f} MB",
+        ),
+    ]
+
+
+def real_width_fields(wide: RealWidth | None) -> str:
+    """The last line's two ``--real-width`` fields (``nan`` without it)."""
+    over_shard = wide.rank_peak_over_shard if wide else math.nan
+    rank0_extra = wide.roundtrip_rank0_extra / 1e6 if wide else math.nan
+    return f"rank_peak_over_shard={_fmt(over_shard, 3)} roundtrip_rank0_extra_mb={_fmt(rank0_extra, 1)}"
 
 
 def _target(what: str, met: bool, figure: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 from vime_gemma4_bridge.convert.topology import Topology
@@ -36,7 +37,6 @@ def roundtrip_job(
     from vime_gemma4_bridge.convert.topology import init_model_parallel
     from vime_gemma4_bridge.io import hf as hf_io
     from vime_gemma4_bridge.verify import report
-    from vime_gemma4_bridge.verify.compare import TensorFiles
 
     init_model_parallel(topology)
     verify_sources(hf_checkpoint)  # the digests it records, before its bytes are used
@@ -46,15 +46,9 @@ def roundtrip_job(
         bridge = open_bridge(hf_checkpoint)
         model = build_model(bridge, topology, initialize=False)  # every weight is loaded next
         bridge.load_hf_weights(model)
-        # The check alone holds nothing: rank 0 compares each exported tensor as it comes with the source's,
-        # read one at a time. --output keeps the export (it is written once proven identical).
+        # --output keeps the export (it is written once proven identical).
         exported = collect_on_rank0(bridge, model) if output is not None else export_language_model(bridge, model)
-        if is_rank0():
-            with TensorFiles.of_checkpoint(source, source.language_model_names()) as reference:
-                comparison = report.compare(reference, exported, ep=topology.ep)
-        else:
-            for _ in exported:  # the other ranks' part of the export's collectives
-                pass
+        comparison = compare_on_rank0(source, exported, topology)
     if is_rank0():
         result = comparison.as_dict()
         result["report"] = report.format_report(comparison, f"round trip at {topology}")
@@ -68,3 +62,20 @@ def roundtrip_job(
                 )
                 result["output"] = str(written)
     return broadcast_from_rank0(result)
+
+
+def compare_on_rank0(source: Any, exported: Iterable[tuple[str, Any]], topology: Topology) -> Any:
+    """Rank 0: ``exported`` (the export's stream, or what rank 0 collected) compared with ``source``'s
+    language model, each tensor as it comes against the source's read one at a time, so the check
+    itself holds nothing; the comparison (``None`` on the other ranks, which only drain their part of
+    the export's collectives)."""
+    from vime_gemma4_bridge.convert.model import is_rank0
+    from vime_gemma4_bridge.verify import report
+    from vime_gemma4_bridge.verify.compare import TensorFiles
+
+    if not is_rank0():
+        for _ in exported:
+            pass
+        return None
+    with TensorFiles.of_checkpoint(source, source.language_model_names()) as reference:
+        return report.compare(reference, exported, ep=topology.ep)
