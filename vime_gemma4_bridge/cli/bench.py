@@ -35,6 +35,8 @@ measured is memory bandwidth and the safetensors/Python overheads, not the disk.
 
 The synthetic checkpoint (:mod:`vime_gemma4_bridge.testing.synthetic`) is a Gemma 4 VL MoE checkpoint
 with 26B-A4B's proportions, experts ~90% of the bytes; ``--scaling`` doubles its layers and vocabulary.
+``--real-width`` adds memory at the shard on 26B-A4B's published widths (:func:`measure_real_width`):
+every rank's peak RSS over its parameter bytes on 8 ranks, and rank 0's during a round trip.
 """
 
 from __future__ import annotations
