@@ -404,7 +404,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="also measure memory at the shard on 26B-A4B's published widths cut to 2 layers (4.8 GB, as tiny "
         "--preset 26b-a4b --layers 2): every rank's peak RSS over its shard while building and loading at "
-        "TP2·PP2·EP4 on 8 ranks, and rank 0's during a round trip at EP2 on 2 ranks (~18 GB of RAM, ~2 min)",
+        "TP2·PP2·EP4 on 8 ranks, and rank 0's during a round trip at EP2 on 2 ranks (~18 GB of RAM, ~1 min)",
     )
     parser.add_argument(
         "--buffer-size",
