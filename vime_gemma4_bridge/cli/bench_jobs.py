@@ -279,8 +279,7 @@ def shard_memory_job(hf_checkpoint: str, topology: Topology, roundtrip: bool, qu
         _release_memory()
         with PeakRSS() as load:
             bridge = convert.open_bridge(hf_checkpoint)
-            model = convert.build_model(bridge, topology, initialize=False)
-            bridge.load_hf_weights(model)
+            model = convert.loaded_model(bridge, topology)
         shard = sum(p.numel() * p.element_size() for chunk in model for p in chunk.parameters())
         result: dict[str, Any] = {"start_rss": load.baseline, "load_peak": load.peak, "shard_bytes": shard}
         if roundtrip:

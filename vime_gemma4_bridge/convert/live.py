@@ -162,8 +162,7 @@ def export_live_job(
     verify_sources(hf_checkpoint)  # the digests it records, before its bytes are used
     with contextlib.redirect_stdout(sys.stderr):  # megatron-core's and the bridge's chatter: stdout is the report's
         bridge = convert.open_bridge(hf_checkpoint)
-        model = convert.build_model(bridge, topology, initialize=False)  # every weight is loaded next
-        bridge.load_hf_weights(model)
+        model = convert.loaded_model(bridge, topology)
     writer = convert.is_rank0()
     out = Path(dump)
     result: dict[str, Any] | None = None

@@ -61,6 +61,14 @@ def build_model(bridge: Any, topology: Topology, *, initialize: bool = True) -> 
     )
 
 
+def loaded_model(bridge: Any, topology: Topology) -> list[torch.nn.Module]:
+    """This rank's model chunks for ``topology`` with the bridge's checkpoint loaded into every weight:
+    built without random initialisation, which the load would overwrite (:func:`build_model`)."""
+    model = build_model(bridge, topology, initialize=False)
+    bridge.load_hf_weights(model)
+    return model
+
+
 def is_rank0() -> bool:
     """Whether this is global rank 0, the rank that compares, writes and reports."""
     return dist.get_rank() == 0

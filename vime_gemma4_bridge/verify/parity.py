@@ -275,7 +275,7 @@ def parity_job(
     import torch
 
     from vime_gemma4_bridge.convert.integrity import verify_sources
-    from vime_gemma4_bridge.convert.model import broadcast_from_rank0, build_model, is_rank0, open_bridge
+    from vime_gemma4_bridge.convert.model import broadcast_from_rank0, is_rank0, loaded_model, open_bridge
     from vime_gemma4_bridge.convert.topology import init_model_parallel
 
     torch_dtype = getattr(torch, dtype)
@@ -289,8 +289,7 @@ def parity_job(
     input_ids = fixed_token_ids(vocab_size, batch, seq_len, excluded_token_ids(config.to_dict()))
 
     with contextlib.redirect_stdout(sys.stderr):  # megatron-core's and the bridge's chatter: stdout is the report's
-        model = build_model(bridge, topology)
-        bridge.load_hf_weights(model)
+        model = loaded_model(bridge, topology)
     if after_load is not None:
         after_load(model)
     logits = megatron_logits_on_rank0(model, input_ids)

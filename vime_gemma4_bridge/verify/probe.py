@@ -141,14 +141,13 @@ def probe_job(
     from megatron.core import parallel_state as ps
 
     from vime_gemma4_bridge.convert.integrity import verify_sources
-    from vime_gemma4_bridge.convert.model import broadcast_from_rank0, build_model, open_bridge
+    from vime_gemma4_bridge.convert.model import broadcast_from_rank0, loaded_model, open_bridge
     from vime_gemma4_bridge.convert.topology import init_model_parallel
 
     init_model_parallel(topology)
     verify_sources(hf_checkpoint)  # the digests it records, before its bytes are used
     bridge = open_bridge(hf_checkpoint)
-    model = build_model(bridge, topology)
-    bridge.load_hf_weights(model)
+    model = loaded_model(bridge, topology)
     models = unwrap_model(model)
     num_experts = int(models[0].config.num_moe_experts or 0)
     dense = num_experts == 0

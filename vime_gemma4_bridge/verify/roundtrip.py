@@ -28,10 +28,10 @@ def roundtrip_job(
     from vime_gemma4_bridge.convert.integrity import verify_sources
     from vime_gemma4_bridge.convert.model import (
         broadcast_from_rank0,
-        build_model,
         collect_on_rank0,
         export_language_model,
         is_rank0,
+        loaded_model,
         open_bridge,
     )
     from vime_gemma4_bridge.convert.topology import init_model_parallel
@@ -44,8 +44,7 @@ def roundtrip_job(
     result: dict[str, Any] | None = None
     with contextlib.redirect_stdout(sys.stderr):  # megatron-core's and the bridge's chatter: stdout is the report's
         bridge = open_bridge(hf_checkpoint)
-        model = build_model(bridge, topology, initialize=False)  # every weight is loaded next
-        bridge.load_hf_weights(model)
+        model = loaded_model(bridge, topology)
         # --output keeps the export (it is written once proven identical).
         exported = collect_on_rank0(bridge, model) if output is not None else export_language_model(bridge, model)
         comparison = compare_on_rank0(source, exported, topology)
