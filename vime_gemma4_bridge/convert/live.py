@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from vime_gemma4_bridge.compat.gather_to_one import gathered_to, receives_export
 from vime_gemma4_bridge.convert.fp8 import check_quantize, config_fields, quantize_stream, vllm_block_misfits
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.core.hf_layout import PER_EXPERT, STACKED, check_expert_layout, stack_of
@@ -170,15 +171,17 @@ def export_live_job(
         with atomic_directory(out, replace=force) if writer else contextlib.nullcontext() as tmp:
             files: list[tuple[str, list[str], int]] = []
             start = time.perf_counter()
-            stream = iter_hf_weights(bridge, model, cpu=True, expert_layout=expert_layout, quantize=quantize)
-            chunks = chunk_by_bytes(stream, buffer_size)
-            for index, chunk in enumerate(chunks, start=1):
-                if tmp is None:
-                    continue
-                name = f"model-{index:05d}.safetensors"
-                state = [(hf_name, tensor) for hf_name, tensor, _ in chunk]
-                hf_io.save_safetensors(tmp / name, state, metadata={"format": "pt"})
-                files.append((name, [n for n, _ in state], sum(hf_io.tensor_nbytes(t) for _, t in state)))
+            with gathered_to(0):  # rank 0 writes: the export gathers to it alone (UPSTREAM 60)
+                stream = iter_hf_weights(
+                    bridge, model, cpu=receives_export(), expert_layout=expert_layout, quantize=quantize
+                )
+                for index, chunk in enumerate(chunk_by_bytes(stream, buffer_size), start=1):
+                    if tmp is None:
+                        continue
+                    name = f"model-{index:05d}.safetensors"
+                    state = [(hf_name, tensor) for hf_name, tensor, _ in chunk]
+                    hf_io.save_safetensors(tmp / name, state, metadata={"format": "pt"})
+                    files.append((name, [n for n, _ in state], sum(hf_io.tensor_nbytes(t) for _, t in state)))
             seconds = time.perf_counter() - start
             if tmp is not None:
                 total = len(files)

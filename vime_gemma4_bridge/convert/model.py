@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from vime_gemma4_bridge.compat.cuda import on_host
+from vime_gemma4_bridge.compat.gather_to_one import gathered_to, receives_export
 from vime_gemma4_bridge.convert.cpu_host import provide_model
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.core.hf_layout import STACKED
@@ -77,21 +78,27 @@ def is_rank0() -> bool:
 def export_language_model(
     bridge: Any, model: list[torch.nn.Module], conversion_tasks: list | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Megatron-Bridge's export (all ranks take part), as ``(hf_name, tensor)`` on CPU; no name twice.
+    """Megatron-Bridge's export (all ranks take part) delivered to rank 0, as ``(hf_name, tensor)`` on CPU there;
+    no name twice.
 
+    Rank 0 is the one consumer (it compares or writes): the export gathers to it alone, and the
+    other ranks get the same names with shape-only tensors (``compat/gather_to_one``, UPSTREAM 60).
     ``conversion_tasks`` restricts it to those of Megatron-Bridge's tasks (default: all of them). The
     experts come stacked, as the checkpoint stores them, whatever the live sync's switch says.
     """
     from vime_gemma4_bridge.core.bridge import in_expert_layout
 
     seen: set[str] = set()
-    exported = bridge.export_hf_weights(model, cpu=True, show_progress=is_rank0(), conversion_tasks=conversion_tasks)
-    for item in in_expert_layout(STACKED, exported):
-        name, tensor = item[0], item[1]
-        if name in seen:
-            raise ValueError(f"export produced {name!r} twice; a mapping is duplicated")
-        seen.add(name)
-        yield name, tensor
+    with gathered_to(0):
+        exported = bridge.export_hf_weights(
+            model, cpu=receives_export(), show_progress=is_rank0(), conversion_tasks=conversion_tasks
+        )
+        for item in in_expert_layout(STACKED, exported):
+            name, tensor = item[0], item[1]
+            if name in seen:
+                raise ValueError(f"export produced {name!r} twice; a mapping is duplicated")
+            seen.add(name)
+            yield name, tensor
 
 
 def collect_on_rank0(

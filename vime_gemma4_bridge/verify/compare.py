@@ -138,8 +138,17 @@ class TensorFiles:
         return self._first[name]
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor, read now (from the first file holding it)."""
-        return self._open(self._first[name]).get_tensor(name)
+        """The tensor, read now (from the first file holding it), through a handle of its own.
+
+        safetensors maps the file; every page a handle has read stays in this process (its RSS) while
+        the handle is open, so one handle per file would end a comparison holding the whole
+        checkpoint. A tensor from a handle of its own takes its pages out when it is dropped
+        (``roundtrip``'s rank 0: the source's pages in flight are one tensor's, issue 35).
+        """
+        from safetensors import safe_open
+
+        with safe_open(self._first[name], framework="pt") as handle:
+            return handle.get_tensor(name)
 
     def __contains__(self, name: object) -> bool:
         return name in self._first
