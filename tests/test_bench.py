@@ -78,7 +78,7 @@ def test_bench_runs_and_prints_the_headline_last(local_world, tmp_path: Path, ca
 
 
 def test_real_width_measures_every_rank_against_its_shard(local_world, tmp_path: Path) -> None:
-    """``--real-width``'s machinery on a small MoE: build + load at EP2 and a bitwise round trip at TP2 on 2
+    """``--real-width``'s machinery on a small MoE: build + load, then a bitwise round trip, at TP2·EP2 on 2
     ranks; every rank reports its shard and peak, and both figures reach the last line."""
     from vime_gemma4_bridge.convert.topology import Topology
 
@@ -86,15 +86,14 @@ def test_real_width_measures_every_rank_against_its_shard(local_world, tmp_path:
     wide = bench.measure_real_width(
         tmp_path / "work",
         spec,
-        load=(2, Topology(ep=2)),
-        roundtrip=(2, Topology(tp=2)),
+        at=(2, Topology(tp=2, ep=2)),
         world_for=local_world,
         log=lambda _: None,
     )
-    assert len(wide.load) == 2 and wide.roundtrip_topology == str(Topology(tp=2))
-    for rank in [*wide.load, wide.roundtrip]:
+    assert len(wide.ranks) == 2 and wide.topology == str(Topology(tp=2, ep=2))
+    for rank in wide.ranks:
         assert 0 < rank["shard_bytes"] < wide.size_bytes and rank["load_peak"] >= rank["start_rss"] > 0, rank
-    assert wide.rank_peak_over_shard == max(r["load_peak"] / r["shard_bytes"] for r in wide.load) > 1
+    assert wide.rank_peak_over_shard == max(r["load_peak"] / r["shard_bytes"] for r in wide.ranks) > 1
     lines = bench_report.real_width_lines(wide)
     assert lines[1].startswith("target every rank's peak RSS <= 1.5x its shard (build + load): ")
     assert bench_report.real_width_fields(wide) == (

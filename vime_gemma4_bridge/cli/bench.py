@@ -226,42 +226,39 @@ def run_bench(
     return result
 
 
-#: ``--real-width``: the published 26B-A4B cut to two layers (one sliding, one full; 4.76 GB), loaded at the
-#: seed's topology on 8 ranks, and round-tripped at the largest world whose export fits 24 GB here (UPSTREAM 60).
+#: ``--real-width``: the published 26B-A4B cut to two layers (one sliding, one full; 4.76 GB), loaded and
+#: round-tripped at the seed's topology on 8 ranks (one run: the export gathers to rank 0, UPSTREAM 60).
 REAL_WIDTH_PRESET, REAL_WIDTH_LAYERS = "26b-a4b", 2
-REAL_WIDTH_LOAD = (8, Topology(tp=2, pp=2, ep=4))
-REAL_WIDTH_ROUNDTRIP = (2, Topology(ep=2))
+REAL_WIDTH_AT = (8, Topology(tp=2, pp=2, ep=4))
 
 
 def measure_real_width(
     workdir: Path,
     spec: TinySpec | None = None,
     *,
-    load: tuple[int, Topology] = REAL_WIDTH_LOAD,
-    roundtrip: tuple[int, Topology] = REAL_WIDTH_ROUNDTRIP,
+    at: tuple[int, Topology] = REAL_WIDTH_AT,
     keep: bool = False,
     quiet: bool = True,
     world_for: Callable[[int], LocalWorld] | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> RealWidth:
     """Memory at the shard at published widths (``spec``, default :data:`REAL_WIDTH_PRESET` cut to
-    :data:`REAL_WIDTH_LAYERS` layers): every rank's peak RSS over its shard bytes while the model is built
-    and loaded at ``load`` (world size, topology), and rank 0's peak over its shard during a round trip at
-    ``roundtrip``, which must be bitwise. ``world_for(n)`` supplies the worlds (not closed here)."""
+    :data:`REAL_WIDTH_LAYERS` layers), ``at`` (world size, topology): every rank's peak RSS over its shard
+    bytes while the model is built and loaded, then rank 0's peak over its shard during a round trip,
+    which must be bitwise. ``world_for(n)`` supplies the world (not closed here)."""
     spec = spec or preset(REAL_WIDTH_PRESET, REAL_WIDTH_LAYERS)
     path, nbytes = write_synthetic_checkpoint(workdir / "hf-real-width", spec)
     log(f"bench: real width: {nbytes / 1e9:.3f} GB, hidden {spec.hidden_size}, {spec.layers} layers")
-    runs = {}
-    for what, (nproc, topology) in (("load", load), ("roundtrip", roundtrip)):
-        with contextlib.ExitStack() as stack:
-            world = world_for(nproc) if world_for else stack.enter_context(LocalWorld(nproc))
-            runs[what] = world.run(shard_memory_job, str(path), topology, what == "roundtrip", quiet)
-        log(f"bench: real width: {what} at {topology} on {nproc} ranks done")
-    if not runs["roundtrip"][0]["identical"]:
-        raise RuntimeError(f"the round trip of {path} at {roundtrip[1]} was not bitwise identical")
+    nproc, topology = at
+    with contextlib.ExitStack() as stack:
+        world = world_for(nproc) if world_for else stack.enter_context(LocalWorld(nproc))
+        ranks = world.run(shard_memory_job, str(path), topology, True, quiet)
+    log(f"bench: real width: load and round trip at {topology} on {nproc} ranks done")
+    if not ranks[0]["identical"]:
+        raise RuntimeError(f"the round trip of {path} at {topology} was not bitwise identical")
     largest = largest_tensor_bytes(path)[1]
     _cleanup(path, keep)
-    return RealWidth(nbytes, largest, str(load[1]), runs["load"], str(roundtrip[1]), runs["roundtrip"][0])
+    return RealWidth(nbytes, largest, str(topology), ranks)
 
 
 def _best_of(measure: Callable[[], list[dict]], *, outputs: Sequence[Path]) -> list[dict]:
@@ -404,7 +401,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="also measure memory at the shard on 26B-A4B's published widths cut to 2 layers (4.8 GB, as tiny "
         "--preset 26b-a4b --layers 2): every rank's peak RSS over its shard while building and loading at "
-        "TP2·PP2·EP4 on 8 ranks, and rank 0's during a round trip at EP2 on 2 ranks (~18 GB of RAM, ~1 min)",
+        "TP2·PP2·EP4 on 8 ranks, then rank 0's during a round trip there (~18 GB of RAM, ~1 min)",
     )
     parser.add_argument(
         "--buffer-size",

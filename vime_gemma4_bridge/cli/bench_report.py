@@ -58,28 +58,26 @@ class Step:
 
 @dataclass
 class RealWidth:
-    """``--real-width``: memory at the shard on published widths (``bench._real_width``).
+    """``--real-width``: memory at the shard on published widths (``bench.measure_real_width``).
 
-    ``load`` holds every rank's ``start_rss`` / ``load_peak`` / ``shard_bytes``; ``roundtrip`` rank 0's,
-    with its ``roundtrip_peak``.
+    ``ranks`` holds every rank's ``start_rss`` / ``load_peak`` / ``shard_bytes`` and ``roundtrip_peak``
+    (the round trip's consumer, rank 0, is the first).
     """
 
     size_bytes: int
     largest_tensor: int
-    load_topology: str
-    load: list[dict]
-    roundtrip_topology: str
-    roundtrip: dict
+    topology: str
+    ranks: list[dict]
 
     @property
     def rank_peak_over_shard(self) -> float:
         """The largest over the ranks of peak RSS (build + load) / the rank's shard bytes."""
-        return max(rank["load_peak"] / rank["shard_bytes"] for rank in self.load)
+        return max(rank["load_peak"] / rank["shard_bytes"] for rank in self.ranks)
 
     @property
     def roundtrip_rank0_extra(self) -> int:
         """Rank 0's peak RSS during the round trip over its RSS before it and its shard bytes."""
-        rank0 = self.roundtrip
+        rank0 = self.ranks[0]
         return max(rank0["load_peak"], rank0["roundtrip_peak"]) - rank0["start_rss"] - rank0["shard_bytes"]
 
 
@@ -296,11 +294,10 @@ def real_width_lines(wide: RealWidth) -> list[str]:
     """``--real-width``'s figures: every rank's peak and shard, rank 0's round trip, and the two targets."""
     return [
         f"real width: {wide.size_bytes / 1e9:.3f} GB, largest tensor {wide.largest_tensor / 1e6:.1f} MB; "
-        f"build + load at {wide.load_topology}, per rank peak RSS / shard GB: "
-        + ", ".join(f"{r['load_peak'] / 1e9:.2f}/{r['shard_bytes'] / 1e9:.2f}" for r in wide.load)
-        + f" (RSS before: {min(r['start_rss'] for r in wide.load) / 1e9:.2f} GB); round trip at "
-        f"{wide.roundtrip_topology}, rank 0: peak {wide.roundtrip['roundtrip_peak'] / 1e9:.2f} GB, shard "
-        f"{wide.roundtrip['shard_bytes'] / 1e9:.2f} GB, bitwise",
+        f"build + load at {wide.topology}, per rank peak RSS / shard GB: "
+        + ", ".join(f"{r['load_peak'] / 1e9:.2f}/{r['shard_bytes'] / 1e9:.2f}" for r in wide.ranks)
+        + f" (RSS before: {min(r['start_rss'] for r in wide.ranks) / 1e9:.2f} GB); round trip there, per rank "
+        "peak GB: " + ", ".join(f"{r['roundtrip_peak'] / 1e9:.2f}" for r in wide.ranks) + " (rank 0 compares), bitwise",
         _target(
             f"every rank's peak RSS <= {TARGET_RANK_PEAK_OVER_SHARD}x its shard (build + load)",
             wide.rank_peak_over_shard <= TARGET_RANK_PEAK_OVER_SHARD,
