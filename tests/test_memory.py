@@ -140,10 +140,10 @@ def test_a_build_without_the_seams_keeps_its_own_export(monkeypatch) -> None:
     ``gathered_to`` swaps nothing and every rank receives the export, as upstream gives it."""
     from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
 
-    from vime_gemma4_bridge.compat.gather_to_one import gathered_to, receives_export
+    from vime_gemma4_bridge.compat.gather_to_one import gathered_to
 
     monkeypatch.delattr(MegatronParamMapping, "gather_from_ep_ranks")
     before = dict(MegatronParamMapping.__dict__)
-    with gathered_to(0):
-        assert receives_export()
+    with gathered_to(0) as receives:
+        assert receives
         assert dict(MegatronParamMapping.__dict__) == before

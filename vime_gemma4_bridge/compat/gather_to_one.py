@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["gathered_to", "receives_export"]
+__all__ = ["gathered_to"]
 
 _METHODS = ("broadcast_from_pp_rank", "gather_from_tp_ranks", "gather_from_ep_ranks")
 
@@ -53,16 +53,12 @@ _active: _Consumer | None = None
 _originals: dict[str, Any] = {}  # the build's own methods, while swapped
 
 
-def receives_export() -> bool:
-    """Whether this rank gets real tensors from the export: always, unless a :func:`gathered_to` names another."""
-    return _active is None or _active.rank == dist.get_rank()
-
-
 @contextlib.contextmanager
-def gathered_to(rank: int) -> Iterator[None]:
+def gathered_to(rank: int) -> Iterator[bool]:
     """Within this block, Megatron-Bridge's export delivers to global ``rank`` alone (collective: every rank enters).
 
-    Export with ``cpu=receives_export()``: the other ranks' tensors are shape-only and cannot be copied.
+    Yields whether this rank receives the export's tensors: export with ``cpu=`` that value, since the
+    other ranks' tensors are shape-only and cannot be copied.
     A build whose ``MegatronParamMapping`` does not define the three methods itself (feature detection;
     0.6.2 and vime's fork both do) keeps its own export: correct, at upstream's memory.
     """
@@ -73,10 +69,11 @@ def gathered_to(rank: int) -> Iterator[None]:
     if _active is not None:
         raise RuntimeError("gathered_to is already active in this process")
     if not all(callable(MegatronParamMapping.__dict__.get(name)) for name in _METHODS):
-        yield  # a build without these seams: its own export, every rank getting every tensor
+        yield True  # a build without these seams: its own export, every rank getting every tensor
         return
-    mine = (parallel_state.get_pipeline_model_parallel_rank(), _ranks(parallel_state.get_expert_model_parallel_group()))
-    box = [mine]
+    box = [
+        (parallel_state.get_pipeline_model_parallel_rank(), _ranks(parallel_state.get_expert_model_parallel_group()))
+    ]
     dist.broadcast_object_list(box, src=rank)
     stage, ep_ranks = box[0]
     _originals.update({name: MegatronParamMapping.__dict__[name] for name in _METHODS})
@@ -85,7 +82,7 @@ def gathered_to(rank: int) -> Iterator[None]:
     MegatronParamMapping.gather_from_tp_ranks = _tp_gathered_to_consumer
     MegatronParamMapping.gather_from_ep_ranks = _ep_gathered_to_consumer
     try:
-        yield
+        yield dist.get_rank() == rank
     finally:
         for name, method in _originals.items():
             setattr(MegatronParamMapping, name, method)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from vime_gemma4_bridge.compat.cuda import on_host
-from vime_gemma4_bridge.compat.gather_to_one import gathered_to, receives_export
+from vime_gemma4_bridge.compat.gather_to_one import gathered_to
 from vime_gemma4_bridge.convert.cpu_host import provide_model
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.core.hf_layout import STACKED
@@ -89,9 +89,9 @@ def export_language_model(
     from vime_gemma4_bridge.core.bridge import in_expert_layout
 
     seen: set[str] = set()
-    with gathered_to(0):
+    with gathered_to(0) as receives:
         exported = bridge.export_hf_weights(
-            model, cpu=receives_export(), show_progress=is_rank0(), conversion_tasks=conversion_tasks
+            model, cpu=receives, show_progress=is_rank0(), conversion_tasks=conversion_tasks
         )
         for item in in_expert_layout(STACKED, exported):
             name, tensor = item[0], item[1]
