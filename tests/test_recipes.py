@@ -32,6 +32,10 @@ DISAGGREGATED = "gemma4-26b-a4b-4x8-a800-disaggregated-disk.sh"
 ONE_NODE = "gemma4-26b-a4b-1x8.sh"
 COLOCATED = "gemma4-26b-a4b-colocated.sh"
 ALL_RECIPES = (DISAGGREGATED, ONE_NODE, COLOCATED)
+#: miles (radixark/miles v0.1.0 / @31f1ca96): its own 8 x H200 recipe, and the reported 4 x 8 A800 hardware.
+MILES_H200 = "miles-gemma4-26b-a4b-1x8-h200.sh"
+MILES_A800 = "miles-gemma4-26b-a4b-4x8-a800.sh"
+MILES_RECIPES = (MILES_H200, MILES_A800)
 #: A hang guard, not a speed check: a dry run's preflight imports megatron.bridge and builds the tiny
 #: model (~20 s alone, over 60 s on a loaded 2-core CI machine, where a 60 s limit failed CI).
 RECIPE_TIMEOUT = 600
@@ -255,15 +259,15 @@ CASE_IDS = [f"{name.removesuffix('.sh')}{''.join(f'-{k}={v}' for k, v in env.ite
 
 
 def test_every_recipe_is_present_and_documented() -> None:
-    assert sorted(p.name for p in RECIPES.glob("*.sh")) == sorted(ALL_RECIPES)
+    assert sorted(p.name for p in RECIPES.glob("*.sh")) == sorted(ALL_RECIPES + MILES_RECIPES)
     readme = (RECIPES / "README.md").read_text()
-    for name in ALL_RECIPES:
+    for name in ALL_RECIPES + MILES_RECIPES:
         assert name in readme, f"recipes/README.md does not mention {name}"
     for command in ("vime-gemma4 import", "vime-gemma4 export", "vime-gemma4 verify-update"):
         assert command in readme
 
 
-@pytest.mark.parametrize("name", ALL_RECIPES)
+@pytest.mark.parametrize("name", ALL_RECIPES + MILES_RECIPES)
 def test_script_is_strict_bash(name: str) -> None:
     text = (RECIPES / name).read_text()
     assert text.startswith("#!/usr/bin/env bash\n")
@@ -294,7 +298,7 @@ def test_preflight_refuses_a_build_vime_cannot_use(recipe_env: tuple[dict[str, s
     assert not marker.exists(), "the recipe launched something after a failed preflight"
 
 
-@pytest.mark.parametrize("name", ALL_RECIPES)
+@pytest.mark.parametrize("name", ALL_RECIPES + MILES_RECIPES)
 def test_preflight_fails_fast_without_the_plugin(name: str, recipe_env, tmp_path: Path) -> None:
     env, _ = recipe_env
     # An interpreter that cannot import vime_gemma4_bridge.
@@ -500,3 +504,66 @@ def test_memory_comments_use_the_26b_parameter_count() -> None:
     assert total == 25_233_141_760
     for name in ALL_RECIPES:
         assert "25.23e9" in (RECIPES / name).read_text(), name
+
+
+# ------------------------------------------------------------------------------------------------
+# miles' recipes
+# ------------------------------------------------------------------------------------------------
+
+#: Every miles flag the miles recipes pass, each defined in miles/utils/arguments.py @31f1ca96 (read there).
+MILES_FLAGS = {
+    "--actor-num-nodes", "--actor-num-gpus-per-node", "--num-gpus-per-node", "--colocate",
+    "--rollout-num-gpus-per-engine", "--no-offload-train", "--no-offload-rollout", "--megatron-to-hf-mode",
+    "--custom-megatron-init-path", "--hf-checkpoint", "--ref-load", "--prompt-data", "--input-key",
+    "--label-key", "--apply-chat-template", "--rollout-shuffle", "--balance-data", "--rm-type",
+    "--num-rollout", "--rollout-batch-size", "--n-samples-per-prompt", "--rollout-max-response-len",
+    "--rollout-temperature", "--advantage-estimator", "--use-kl-loss", "--kl-loss-coef", "--kl-loss-type",
+    "--entropy-coef", "--eps-clip", "--eps-clip-high", "--use-dynamic-batch-size", "--max-tokens-per-gpu",
+    "--use-rollout-routing-replay", "--qkv-format",
+}  # fmt: skip
+#: SGLang ServerArgs fields, re-exported with a --sglang- prefix (miles/backends/sglang_utils/arguments.py).
+SGLANG_FLAGS = {
+    "--sglang-mem-fraction-static", "--sglang-attention-backend", "--sglang-moe-runner-backend",
+    "--sglang-disable-custom-all-reduce", "--sglang-disable-cuda-graph", "--sglang-disable-overlap-schedule",
+    "--sglang-disable-radix-cache",
+}  # fmt: skip
+MILES_CASES = [(MILES_H200, {}), (MILES_A800, {})]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+@pytest.mark.parametrize(("name", "env"), MILES_CASES, ids=[n.removesuffix(".sh") for n, _ in MILES_CASES])
+def test_miles_recipe_is_a_launch_miles_can_carry(name: str, env: dict, dry_run, tmp_path: Path) -> None:
+    """Every flag is miles', SGLang's (prefixed) or the installed Megatron's, given once; bridge mode with the
+    plugin's init hook, colocated; the topology fits the 26B-A4B; the hook's launch check passes it (with the
+    fork's export) and refuses it made disaggregated."""
+    import argparse
+    from types import SimpleNamespace
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from vime_gemma4_bridge.convert.miles import ENTRY_POINT, launch_problems
+    from vime_gemma4_bridge.convert.topology import validate_model_topology
+
+    run = dry_run(name, **env)
+    parser = argparse.ArgumentParser(allow_abbrev=False, conflict_handler="resolve")
+    add_megatron_arguments(parser)
+    megatron = {option for action in parser._actions for option in action.option_strings}
+    unknown = sorted(set(run.order) - MILES_FLAGS - SGLANG_FLAGS - megatron)
+    assert not unknown, f"{name}: flags no verified miles/SGLang/Megatron definition covers: {unknown}"
+    assert not sorted({flag for flag in run.order if run.order.count(flag) > 1})
+    assert not sorted(FORBIDDEN_FLAGS & set(run.order))
+    assert run.value("--megatron-to-hf-mode") == "bridge" and run.has("--colocate")
+    assert run.value("--custom-megatron-init-path") == ENTRY_POINT
+    assert run.runtime_env["VIME_GEMMA4_BRIDGE_AUTOLOAD"] == "1"
+    world = run.actor_gpus
+    run.topology.validate(world)
+    validate_model_topology(GEMMA4_26B_A4B, run.topology)
+    assert world % run.num("--rollout-num-gpus-per-engine") == 0
+    assert run.num("--global-batch-size") % run.topology.data_parallel_size(world) == 0
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(GEMMA4_26B_A4B))
+    args = SimpleNamespace(hf_checkpoint=str(hf), megatron_to_hf_mode="bridge", colocate=True, lora_rank=0)
+    assert launch_problems(args, export_tuple="(hf_name, tensor, megatron_param_name)") == []
+    args.colocate = False
+    assert "--colocate" in launch_problems(args, export_tuple="(hf_name, tensor, megatron_param_name)")[0]

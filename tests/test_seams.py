@@ -62,7 +62,7 @@ def test_cpu_safe_auto_mapping_without_pg_collection() -> None:
         assert type(mapping._get_or_create_mapping("replicated")) is ReplicatedMapping
 
 
-def test_env_names_versions_and_vime_readiness(capsys) -> None:
+def test_env_names_versions_and_vime_and_miles_readiness(capsys) -> None:
     import importlib.metadata
 
     from vime_gemma4_bridge.cli import main as cli
@@ -89,6 +89,16 @@ def test_env_names_versions_and_vime_readiness(capsys) -> None:
     with fork_seams():
         assert cli.main(["env", "--vime"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "env OK: the plugin works here and vime's bridge mode can use it"
+    assert cli.main(["env", "--miles"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("env FAILED: miles' bridge weight sync unpacks three fields; this build's export")
+    with fork_seams():
+        assert cli.main(["env", "--miles"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split("  ")[0].strip(): line for line in out}
+    assert "--custom-megatron-init-path vime_gemma4_bridge.miles_init" in rows["miles bridge road"]
+    assert "(the plugin's, in any order)" in rows["registration"]
+    assert out[-1] == "env OK: the plugin works here and miles' bridge road can use it"
     with sourced_export():
         assert cli.main(["env", "--vime"]) == 1
     out = capsys.readouterr().out.splitlines()

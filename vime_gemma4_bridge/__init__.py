@@ -11,6 +11,9 @@ Building on ranks (``torch.distributed`` initialised, e.g. under ``torchrun``)::
     vime_gemma4_bridge.init_model_parallel(topology)
     bridge = AutoBridge.from_hf_pretrained(path)
     model = vime_gemma4_bridge.build_model(bridge, topology)  # this rank's model chunks, CPU or GPU
+
+miles (the trainer that keeps ``--megatron-to-hf-mode bridge``) takes the plugin with
+``--custom-megatron-init-path vime_gemma4_bridge.miles_init`` (:mod:`vime_gemma4_bridge.convert.miles`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ _LAZY = {
     "Topology": "vime_gemma4_bridge.convert.topology",
     "init_model_parallel": "vime_gemma4_bridge.convert.topology",
     "build_model": "vime_gemma4_bridge.convert.model",
+    "miles_init": "vime_gemma4_bridge.convert.miles",
 }
 
 
@@ -54,4 +58,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'vime_gemma4_bridge' has no attribute {name!r}")
 
 
-__all__ = ["Topology", "build_model", "init_model_parallel", "register"]
+__all__ = ["Topology", "build_model", "init_model_parallel", "miles_init", "register"]

@@ -1,10 +1,12 @@
 """``vime-gemma4 env``: what this environment has, which of the plugin's paths are active, and whether they work.
 
 Prints one line per component (torch, megatron-core, Megatron-Bridge with the seams it exposes,
-transformers, Transformer Engine, CUDA) and per plugin path (registration and dispatch, TE or
-CPU modules, export tuple), then ``env OK`` or ``env FAILED: <reason>``. Exit 1 when the plugin
-cannot work here; with ``--vime``, also when vime's bridge-mode weight sync cannot (it unpacks the
-three-field export of vime's Megatron-Bridge fork). The recipes run ``env --vime`` before launching.
+transformers, Transformer Engine, CUDA) and per plugin path (registration and which bridge serves
+each Gemma 4 class, TE or CPU modules, export tuple), then ``env OK`` or ``env FAILED: <reason>``.
+Exit 1 when the plugin cannot work here; with ``--miles`` (miles v0.1.0's ``--megatron-to-hf-mode
+bridge``) or ``--vime`` (vime's bridge-mode revisions), also when that trainer's bridge weight sync
+cannot: both unpack the three-field export of radixark's Megatron-Bridge fork. The recipes run
+``env --vime`` / ``env --miles`` before launching.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ def _version(distribution: str) -> str:
         return "not installed"
 
 
-def collect(vime: bool) -> tuple[list[tuple[str, str]], list[str]]:
-    """``(rows, problems)``: what to print, and every reason the plugin (or vime's bridge mode) cannot work."""
+def collect(vime: bool, miles: bool = False) -> tuple[list[tuple[str, str]], list[str]]:
+    """``(rows, problems)``: what to print, and every reason the plugin (or the named trainer's bridge road)
+    cannot work."""
     import torch
 
     from vime_gemma4_bridge.compat import autoload, seams
@@ -69,7 +72,29 @@ def collect(vime: bool) -> tuple[list[tuple[str, str]], list[str]]:
         rows.append(("vime bridge mode", f"not with this build: {why}"))
         if vime:
             problems.append(why)
+    rows.append(("miles bridge road", _miles_road(described["export tuple"] == seams.THIRD_FIELD)))
+    if miles and described["export tuple"] != seams.THIRD_FIELD:
+        problems.append(MILES_NEEDS_THE_FORK)
     return rows, problems
+
+
+#: miles' bridge iterator (radixark/miles @31f1ca96 ``hf_weight_iterator_bridge.py`` L73) unpacks three fields.
+MILES_NEEDS_THE_FORK = (
+    "miles' bridge weight sync unpacks three fields; this build's export yields two "
+    "(install radixark's Megatron-Bridge fork, as miles' image does)"
+)
+
+
+def _miles_road(three_fields: bool) -> str:
+    """What miles' ``--megatron-to-hf-mode bridge`` needs, and how to hand it the plugin."""
+    from vime_gemma4_bridge.convert.miles import ENTRY_POINT
+
+    if not three_fields:
+        return f"not with this build: {MILES_NEEDS_THE_FORK}"
+    return (
+        f"ready with --colocate and --custom-megatron-init-path {ENTRY_POINT} "
+        "(miles' non-colocated sync has no Gemma 4; the hook refuses it at launch)"
+    )
 
 
 def _yes(flag: bool) -> str:
@@ -108,7 +133,7 @@ def _dispatched_bridges() -> str:
     ]
     if foreign:
         raise RuntimeError(f"AutoBridge does not dispatch to the plugin: {', '.join(foreign)}")
-    return ", ".join(f"{name} -> {cls.__name__}" for name, cls in found.items())
+    return ", ".join(f"{name} -> {cls.__name__}" for name, cls in found.items()) + " (the plugin's, in any order)"
 
 
 def _check(what: str, rows: list[tuple[str, str]], probe: Callable[[], str]) -> list[str]:
@@ -125,7 +150,7 @@ def add_parser(sub: Any) -> None:
     """Register ``vime-gemma4 env``."""
     parser = sub.add_parser(
         "env",
-        help="versions, active paths, and whether the plugin (and vime's bridge mode) can work here",
+        help="versions, active paths, and whether the plugin (and miles' or vime's bridge road) can work here",
         description=__doc__.split("\n\n", 1)[1],
     )
     parser.add_argument(
@@ -133,17 +158,26 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="also require what vime's --megatron-to-hf-mode bridge needs (the fork's three-field export)",
     )
+    parser.add_argument(
+        "--miles",
+        action="store_true",
+        help="also require what miles' --megatron-to-hf-mode bridge needs (radixark/miles v0.1.0: the fork's "
+        "three-field export); the row 'miles bridge road' says how to launch it",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Print one row per finding; exit 1 with the first reason the plugin (or, with --vime, vime) cannot work."""
-    rows, problems = collect(args.vime)
+    rows, problems = collect(args.vime, args.miles)
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     if problems:
         print(f"env FAILED: {problems[0]}" + (f" (and {len(problems) - 1} more above)" if len(problems) > 1 else ""))
         return 1
-    print("env OK: the plugin works here" + (" and vime's bridge mode can use it" if args.vime else ""))
+    trainers = [
+        name for name, asked in (("vime's bridge mode", args.vime), ("miles' bridge road", args.miles)) if asked
+    ]
+    print("env OK: the plugin works here" + (f" and {' and '.join(trainers)} can use it" if trainers else ""))
     return 0

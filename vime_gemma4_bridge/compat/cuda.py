@@ -97,3 +97,31 @@ def cpu_checkpointing() -> Iterator[None]:
             yield
     finally:
         torch.cuda.synchronize = original  # type: ignore[assignment]
+
+
+class HostStream:
+    """What ``torch.cuda.Stream()`` gives while a model is built on the host: a stream that is never used.
+
+    megatron-core's alltoall token dispatcher creates its device-to-host copy stream when it is built
+    (``token_dispatcher.py`` ``MoEAlltoAllTokenDispatcher.__init__``, megatron-core 0.19.2). A model
+    built with that dispatcher on the host (miles asks for it: megatron-core refuses the allgather one
+    with ``variable_seq_lengths``) is loaded and exported there, never run: its forward synchronises
+    CUDA streams, which the host has none of.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def host_cuda_streams() -> Iterator[None]:
+    """While active on the host (:func:`on_host`), ``torch.cuda.Stream()`` is a :class:`HostStream`."""
+    if not on_host():
+        yield
+        return
+    original = torch.cuda.Stream
+    torch.cuda.Stream = HostStream  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        torch.cuda.Stream = original  # type: ignore[misc]

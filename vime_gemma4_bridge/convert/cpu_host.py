@@ -17,18 +17,19 @@ from typing import Any
 
 from torch import nn
 
-from vime_gemma4_bridge.compat.cuda import host_cuda_device, on_host, tensors_stay_on_host
+from vime_gemma4_bridge.compat.cuda import host_cuda_device, host_cuda_streams, on_host, tensors_stay_on_host
 
 
 def provide_model(provider: Any, **kwargs: Any) -> list[nn.Module]:
     """``provider.provide_distributed_model(**kwargs)``, built and runnable on this host.
 
-    On the host the build runs with CPU tensors staying put (``Tensor.cuda`` is the identity) and
-    ``current_device()`` answering the CPU, and every chunk gets :func:`prepare_host_forward`.
+    On the host the build runs with CPU tensors staying put (``Tensor.cuda`` is the identity),
+    ``current_device()`` answering the CPU and CUDA streams inert (an alltoall MoE dispatcher builds;
+    its forward needs CUDA), and every chunk gets :func:`prepare_host_forward`.
     """
     if not on_host():
         return provider.provide_distributed_model(**kwargs)
-    with tensors_stay_on_host(), host_cuda_device():
+    with tensors_stay_on_host(), host_cuda_device(), host_cuda_streams():
         chunks = provider.provide_distributed_model(**kwargs)
     return [prepare_host_forward(chunk) for chunk in chunks]
 

@@ -78,7 +78,10 @@ class Gemma4TextModelProvider(GPTModelProvider):
         if not seams.te_available():
             # Settings that need TE or CUDA kernels; the values chosen compute the same function.
             self.moe_permute_fusion = False
-            if self.num_moe_experts:  # (a dense model keeps alltoall: allgather refuses variable_seq_lengths)
+            if self.num_moe_experts and not self.variable_seq_lengths:
+                # The alltoall dispatcher's CUDA stream has no CPU counterpart; allgather computes the same
+                # function. megatron-core refuses allgather with variable_seq_lengths (miles sets it), so a
+                # model built that way keeps alltoall, which megatron-core runs on the CPU when asked for it.
                 self.moe_token_dispatcher_type = "allgather"
             self.gradient_accumulation_fusion = False
             self.bias_activation_fusion = False
