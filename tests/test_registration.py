@@ -193,7 +193,8 @@ def test_dense_gemma4_needs_no_dense_provider_of_the_build(tmp_path: Path) -> No
         "del p.Gemma4DenseProvider, gemma.Gemma4DenseProvider\n"
         f"provider = AutoBridge.from_hf_pretrained({str(dense)!r}).to_megatron_provider(load_weights=False)\n"
         "print('provider', type(provider).__name__, provider.num_kv_shared_layers, provider.use_double_wide_mlp)\n"
-        "from vime_gemma4_bridge.cli import env\nraise SystemExit(env.run(argparse.Namespace(vime=False)))\n"
+        "from vime_gemma4_bridge.cli import env\n"
+        "raise SystemExit(env.run(argparse.Namespace(vime=False, miles=False)))\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
