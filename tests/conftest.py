@@ -84,10 +84,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    """A line counting the tests with vLLM in the loop (tests/test_vllm.py), so a run shows they ran."""
-    counts = {}
-    for outcome in ("passed", "failed", "error", "skipped"):
-        reports = terminalreporter.stats.get(outcome, [])
-        counts[outcome] = sum(1 for r in reports if "vllm" in getattr(r, "keywords", {}) and r.when != "teardown")
-    if any(counts.values()):
-        terminalreporter.write_line("vLLM engine tests: " + ", ".join(f"{n} {k}" for k, n in counts.items() if n))
+    """Lines counting the tests with an engine in the loop (tests/test_vllm.py, tests/test_sglang.py), so a
+    run shows they ran."""
+    for marker, label in (("vllm", "vLLM"), ("sglang", "SGLang")):
+        counts = {}
+        for outcome in ("passed", "failed", "error", "skipped"):
+            reports = terminalreporter.stats.get(outcome, [])
+            counts[outcome] = sum(1 for r in reports if marker in getattr(r, "keywords", {}) and r.when != "teardown")
+        if any(counts.values()):
+            summary = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+            terminalreporter.write_line(f"{label} engine tests: {summary}")

@@ -1,4 +1,4 @@
-"""``vime-gemma4 rollout-check``: does a running vLLM server serve this HF checkpoint's weights?"""
+"""``vime-gemma4 rollout-check``: does a running vLLM or SGLang server serve this HF checkpoint's weights?"""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from vime_gemma4_bridge.cli import errors
 PROG = "vime-gemma4 rollout-check"
 DESCRIPTION = """\
 What to run when rollouts look wrong. Sends fixed token-id prompts to a running vLLM
-OpenAI-compatible server (/v1/completions, greedy, logprobs), scores the very same tokens with
+OpenAI-compatible server (/v1/completions) or SGLang server (/generate; found by its /model_info),
+greedy with logprobs, scores the very same tokens with
 transformers from the HF checkpoint, and says in one line whether the engine serves the
 checkpoint's weights: the largest |logprob difference| and the first prompt and token where the
 two disagree. Default tolerance by the checkpoint's dtype: 1e-4 for float32, 0.2 for bf16/fp16.
@@ -23,12 +24,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``vime-gemma4 rollout-check``."""
     parser = subparsers.add_parser(
         "rollout-check",
-        help="check a running vLLM server's generations against transformers on an HF checkpoint; exit 0 iff equal",
+        help="check a vLLM or SGLang server's generations against transformers on an HF checkpoint; exit 0 iff equal",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--hf-checkpoint", required=True, metavar="HF", help="the weights the server should serve")
-    parser.add_argument("--server", required=True, metavar="URL", help="the vLLM server, e.g. http://127.0.0.1:8000")
+    parser.add_argument(
+        "--server", required=True, metavar="URL", help="the vLLM or SGLang server, e.g. http://127.0.0.1:8000"
+    )
     parser.add_argument("--model", default=None, help="served model name (default: the one the server serves)")
     parser.add_argument("--prompts", type=int, default=4, metavar="N", help="number of fixed prompts")
     parser.add_argument("--prompt-len", type=int, default=8, metavar="L", help="tokens per prompt")

@@ -1,11 +1,15 @@
-"""Does a running vLLM server serve an HF checkpoint's weights? Its greedy tokens and logprobs against transformers'.
+"""Does a running vLLM or SGLang server serve an HF checkpoint's weights? Its greedy tokens and logprobs
+against transformers'.
 
-What a vime user runs when rollouts look wrong (``vime-gemma4 rollout-check``): fixed token-id prompts
-go to the server's OpenAI-compatible ``/v1/completions`` (greedy, ``logprobs: 1``, vLLM's
-``return_tokens_as_token_ids`` and ``ignore_eos``); transformers then scores the very same token
+What a vime or miles user runs when rollouts look wrong (``vime-gemma4 rollout-check``): fixed token-id
+prompts go to the server greedy, with ``ignore_eos`` and each chosen token's logprob: to vLLM's
+OpenAI-compatible ``/v1/completions`` (``logprobs: 1``, ``return_tokens_as_token_ids``), or, on a server
+that answers SGLang's ``/model_info`` (``srt/entrypoints/http_server.py`` @0.5.23), to SGLang's native
+``/generate`` with ``input_ids`` and ``return_logprob`` (a server started with ``--skip-tokenizer-init``,
+as miles' engines are, has no detokenizer for ``/v1/completions``). Transformers then scores the very same token
 sequences with the HF checkpoint (teacher forcing), so every served token is compared, before and
 after a divergence: its logprob, and whether transformers' argmax agrees. Only the Python standard
-library speaks HTTP, so the check needs nothing vLLM brings.
+library speaks HTTP, so the check needs nothing an engine brings.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def served_model(server: str, model: str | None) -> str:
         served = [entry["id"] for entry in _request(f"{server}/v1/models", timeout=10.0)["data"]]
     except (urllib.error.URLError, OSError, ValueError, KeyError) as error:
         reason = getattr(error, "reason", error)
-        raise ServerError(f"cannot reach a vLLM server at {server} ({reason}); start one or check --server") from None
+        raise ServerError(f"cannot reach a server at {server} ({reason}); start one or check --server") from None
     if model is not None and model not in served:
         raise ServerError(f"{server} serves {', '.join(served) or 'no model'}, not {model!r}: wrong model (--model)")
     if model is None and len(served) != 1:
@@ -77,8 +81,26 @@ def served_model(server: str, model: str | None) -> str:
     return model or served[0]
 
 
-def complete(server: str, model: str, prompt: list[int], max_tokens: int, vocab_size: int) -> list[tuple[int, float]]:
+def is_sglang(server: str) -> bool:
+    """Feature detection, not a version: SGLang's HTTP server answers ``/model_info`` with
+    ``is_generation``; vLLM's has no such route."""
+    try:
+        return "is_generation" in _request(f"{server}/model_info", timeout=10.0)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def complete(
+    server: str, model: str, prompt: list[int], max_tokens: int, vocab_size: int, sglang: bool = False
+) -> list[tuple[int, float]]:
     """Greedy completion of token ids: ``(token id, logprob)`` per generated token."""
+    if sglang:
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": True},
+            "return_logprob": True,
+        }
+        return _checked(server, vocab_size, lambda: _sglang_tokens(_request(f"{server}/generate", body)))
     body = {
         "model": model,
         "prompt": prompt,
@@ -88,8 +110,25 @@ def complete(server: str, model: str, prompt: list[int], max_tokens: int, vocab_
         "ignore_eos": True,
         "return_tokens_as_token_ids": True,
     }
+    return _checked(server, vocab_size, lambda: _openai_tokens(_request(f"{server}/v1/completions", body)))
+
+
+def _sglang_tokens(answer: dict[str, Any]) -> list[tuple[int, float]]:
+    return [(int(token), float(lp)) for lp, token, *_ in answer["meta_info"]["output_token_logprobs"]]
+
+
+def _openai_tokens(answer: dict[str, Any]) -> list[tuple[int, float]]:
+    logprobs = answer["choices"][0]["logprobs"]
+    return [
+        (int(token.removeprefix("token_id:")), float(lp))
+        for token, lp in zip(logprobs["tokens"], logprobs["token_logprobs"], strict=True)
+    ]
+
+
+def _checked(server: str, vocab_size: int, ask: Any) -> list[tuple[int, float]]:
+    """``ask()``'s tokens, with a refused or unreachable request, or a token beyond the vocabulary, as a ServerError."""
     try:
-        choice = _request(f"{server}/v1/completions", body)["choices"][0]
+        served = ask()
     except urllib.error.HTTPError as error:
         text = error.read().decode(errors="replace")
         if "vocab" in text.lower() or "token id" in text.lower():
@@ -99,12 +138,7 @@ def complete(server: str, model: str, prompt: list[int], max_tokens: int, vocab_
             ) from None
         raise ServerError(f"{server} refused a completion (HTTP {error.code}): {text.strip()[:200]}") from None
     except (urllib.error.URLError, OSError) as error:
-        raise ServerError(f"cannot reach a vLLM server at {server} ({getattr(error, 'reason', error)})") from None
-    logprobs = choice["logprobs"]
-    served = [
-        (int(token.removeprefix("token_id:")), float(lp))
-        for token, lp in zip(logprobs["tokens"], logprobs["token_logprobs"], strict=True)
-    ]
+        raise ServerError(f"cannot reach a server at {server} ({getattr(error, 'reason', error)})") from None
     beyond = [token for token, _ in served if token >= vocab_size]
     if beyond:
         raise ServerError(
@@ -137,10 +171,11 @@ def rollout_check(
     dtype = str(declared_dtype(config) or torch.bfloat16).removeprefix("torch.")
     bound = DEFAULT_TOLERANCE.get(dtype, 0.2) if tolerance is None else tolerance
     name = served_model(server, model)
-    complete(server, name, [vocab_size - 1], 1, vocab_size)  # a smaller vocabulary refuses the last id
+    sglang = is_sglang(server)
+    complete(server, name, [vocab_size - 1], 1, vocab_size, sglang)  # a smaller vocabulary refuses the last id
     ids = fixed_token_ids(vocab_size, prompts, prompt_len, excluded_token_ids(config))
     check = RolloutCheck(server=server, model=name, prompts=prompts, tokens=max_tokens, tolerance=bound)
-    served = [complete(server, name, prompt, max_tokens, vocab_size) for prompt in ids.tolist()]
+    served = [complete(server, name, prompt, max_tokens, vocab_size, sglang) for prompt in ids.tolist()]
     sequences = torch.cat([ids, torch.tensor([[token for token, _ in tokens] for tokens in served])], dim=1)
     logits = hf_logits(hf_checkpoint, sequences, getattr(torch, dtype)).float()  # one forward, every prompt
     logprobs = torch.log_softmax(logits[:, prompt_len - 1 : -1, :vocab_size], dim=-1)
