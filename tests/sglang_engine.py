@@ -23,6 +23,10 @@ Requests (``op``):
   output_str=True)``, ``update_weights_from_tensor(..., load_format="flattened_bucket", flush_cache=False)``,
   then ``end_weight_update()`` and a cache flush; answers SGLang's ``(success, message)`` of every call;
 * ``disk`` ``{"path": DIR}`` → ``update_weights_from_disk(DIR)`` (then ``flush_cache``);
+
+``push`` and ``disk`` first wait (a ``flush_cache`` with a timeout) until the scheduler is idle: a request
+that has answered can still be in its running batch, and SGLang 0.5.23 then fails a disk update's own
+flush ("Weights were updated, but the cache was not flushed ...") though the weights did change;
 * ``skipped`` → the names SGLang's loader skipped since the last ask (with ``record-skipped``);
 * ``quit``.
 
@@ -44,6 +48,14 @@ def _chunk(file: str) -> list:
 
     with safe_open(file, framework="pt") as handle:
         return [(name, handle.get_tensor(name)) for name in handle.keys()]
+
+
+def _until_idle(engine) -> None:
+    """SGLang's deferred flush (``FlushCacheReqInput.timeout_s``, scheduler_components/flush_wrapper.py)
+    answers once the scheduler is fully idle; ``Engine.flush_cache()`` passes no timeout."""
+    result = engine.loop.run_until_complete(engine.tokenizer_manager.flush_cache(timeout_s=60.0))
+    if not result.success:
+        raise RuntimeError(f"SGLang did not go idle within 60 s: {result.message}")
 
 
 def _payloads(named: list) -> list[str]:
@@ -116,6 +128,7 @@ def main() -> int:
                         "logprobs": [[s[0] for s in o["meta_info"]["output_token_logprobs"]] for o in outputs],
                     }
                 elif op == "push":
+                    _until_idle(engine)
                     results = [engine.begin_weight_update()]
                     for file in request["tensor_files"]:
                         for payload in _payloads(_chunk(file)):
@@ -128,6 +141,7 @@ def main() -> int:
                     engine.flush_cache()
                     answer = {"results": [repr(r) for r in results]}
                 elif op == "disk":
+                    _until_idle(engine)
                     result = engine.update_weights_from_disk(request["path"])
                     engine.flush_cache()
                     answer = {"results": [repr(result)]}

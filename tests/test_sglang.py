@@ -427,6 +427,7 @@ def test_rollout_check_against_sglang_server(ckpts, tmp_path: Path, capsys) -> N
         server = Server(model, tmp_path / f"serve-{case.replace(' ', '-')}.log", ("torch-native", "cpu-norm"))
         try:
             if update_to is not None:  # the server's warm-up request has run a forward: the scale is fused
+                server.post("/flush_cache?timeout=60", {})  # waits until idle (see tests/sglang_engine.py)
                 answer = server.post("/update_weights_from_disk", {"model_path": update_to})
                 assert answer.get("success"), answer
                 server.post("/flush_cache", {})
