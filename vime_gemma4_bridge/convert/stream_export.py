@@ -168,7 +168,7 @@ def plan_export(bridge: Any, model: list[torch.nn.Module], reader: TorchDistRead
         return None
     model_bridge = seams.model_bridge_of(bridge)  # the registered Gemma 4 bridge
     tasks = [task for task in model_bridge.build_conversion_tasks(bridge.hf_pretrained, model) if task is not None]
-    state = sharded_state_dict(model)[0]["model"]
+    state = sharded_state_dict(model, stored=set(reader.tensor_keys()))[0]["model"]
     experts = plan_streamed_experts(tasks, state, lambda piece: _stored_as_is(piece, reader))
     if experts is None:
         return None

@@ -43,6 +43,7 @@ def gemma4_block_spec(config: Any, vp_stage: int | None = None) -> Any:
         layer_spec.module = Gemma4TransformerLayer
         layer = layer_spec.submodules
         layer.pre_mlp_layernorm = Gemma4RMSNorm  # HF pre_feedforward_layernorm_2 (routed experts)
+        layer.sharded_state_dict_keys_map = te_keys_map(layer.sharded_state_dict_keys_map)
         _gemma4_attention(layer, Gemma4SelfAttention, use_te)
         moe = _moe_submodules(layer)
         moe.router = Gemma4TopKRouter
@@ -83,6 +84,19 @@ def gemma4_dense_block_spec(config: Any, vp_stage: int | None = None) -> Any:
         specs.append(layer_spec)
     block_spec.layer_specs = specs
     return block_spec
+
+
+def te_keys_map(keys_map: dict[str, str]) -> dict[str, str]:
+    """A MoE layer's ``sharded_state_dict_keys_map`` as the TE spec has it, on either host.
+
+    megatron-core 0.19.2's local spec maps ``pre_mlp_layernorm.`` to ``mlp.linear_fc1.layer_norm_``
+    (models/gpt/gpt_layer_specs.py L459-462, for its dense MLP, whose norm the TE spec fuses into
+    ``linear_fc1``); the TE MoE spec maps only its op-fuser names (L157-167). Gemma 4's routed-expert
+    pre-norm is a real ``pre_mlp_layernorm`` on both hosts, so the local map would store it under a key
+    the TE model never asks for. Checkpoints that already hold it there still load
+    (:data:`vime_gemma4_bridge.io.torch_dist_layout.FORMER_KEYS`).
+    """
+    return {old: new for old, new in keys_map.items() if old != "pre_mlp_layernorm."}
 
 
 def _gemma4_attention(layer: Any, attention_class: type, use_te: bool) -> None:

@@ -383,13 +383,13 @@ def load_torch_dist(
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     where = str(iteration_dir)
-    state, _ = sharded_state_dict(model)
+    saved = dist_checkpointing.load_tensors_metadata(where)
+    state, _ = sharded_state_dict(model, stored=saved.keys())
     streamed = streamed or {}
     if streamed:
         state["model"] = {
             name: value for name, value in state["model"].items() if name.rpartition(".")[0] not in streamed
         }
-    saved = dist_checkpointing.load_tensors_metadata(where)
     for sharded in nested_values(state):
         if not isinstance(sharded, ShardedTensor) or sharded.key not in saved:
             continue  # factories and objects: checked by dist_checkpointing itself

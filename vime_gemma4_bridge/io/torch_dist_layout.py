@@ -8,13 +8,17 @@ so that the streaming paths (convert/) use the same layout without the save and 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 #: torch_dist keys that are not model weights (training checkpoints carry them; export ignores them).
 NON_MODEL_KEY = re.compile(r"^(optimizer|rng_state|rerun_state_machine|common_state)|\.?optimizer\.")
 #: TE's FP8 metadata objects (``_extra_state<k>``): never weights.
 EXTRA_STATE = re.compile(r"_extra_state\d*$")
+#: Keys the plugin itself once wrote -> the key the model asks for now. Before 2026-12 a CPU host stored the
+#: routed experts' pre-norm under megatron-core's local-spec key (core/spec.py ``te_keys_map``); the TE
+#: model, and upstream Megatron-Bridge's, always used ``pre_mlp_layernorm.weight``.
+FORMER_KEYS = {"decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight"}
 
 
 class ConversionError(ValueError):
@@ -34,9 +38,14 @@ def refuse_unused_keys(keys: Iterable[str]) -> None:
         )
 
 
-def sharded_state_dict(model: list) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``{"model": ...}`` (or ``model0``, ``model1``... with VPP) as Megatron saves it, and its metadata."""
+def sharded_state_dict(model: list, stored: Collection[str] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``{"model": ...}`` (or ``model0``, ``model1``... with VPP) as Megatron saves it, and its metadata.
+
+    ``stored``: the keys of a checkpoint to read; where it holds a former key (:data:`FORMER_KEYS`) in
+    place of the current one, the item asks for the former key.
+    """
     from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     # The content metadata of Megatron-Bridge's / Megatron-LM's ``_build_sharded_state_dict_metadata``
     # (no distributed optimizer): the keys a training run's load expects.
@@ -46,5 +55,12 @@ def sharded_state_dict(model: list) -> tuple[dict[str, Any], dict[str, Any]]:
         "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
     }
     if len(model) == 1:
-        return {"model": model[0].sharded_state_dict(metadata=metadata)}, metadata
-    return {f"model{i}": chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(model)}, metadata
+        state = {"model": model[0].sharded_state_dict(metadata=metadata)}
+    else:
+        state = {f"model{i}": chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(model)}
+    former = {new: old for old, new in FORMER_KEYS.items() if old in stored and new not in stored}
+    if former:
+        for item in nested_values(state):
+            if getattr(item, "key", None) in former:
+                item.key = former[item.key]
+    return state, metadata
