@@ -1,4 +1,6 @@
-"""Checkpoints interchange (issue 48): one torch_dist key set on every host, and what we wrote before still reads.
+"""Checkpoints interchange: one torch_dist key set on every host, what we wrote before still reads, and a
+checkpoint Megatron-LM's own training saved (one Adam step, three optimizer forms) exports the trained
+weights bitwise and is checked against ``--hf-checkpoint`` by its ``args`` before any rank starts.
 
 The TE side is derived on this TE-less machine without building a TE module: megatron-core's own
 ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)`` runs with its ``TESpecProvider``
@@ -124,3 +126,80 @@ def test_checkpoint_with_the_former_cpu_key_still_exports_bitwise(
     assert PRE_NORM_BEFORE in stored and PRE_NORM_NOW not in stored, "the former writer was not reproduced"
     world.run(export_job, str(save), str(hf), str(out), exported_at, False, 10**9)
     assert_same_checkpoint(hf, out)
+
+
+# ------------------------------------------------------------------------------------------------
+# A checkpoint Megatron-LM's own training saved (tests/megatron_lm_training.py)
+# ------------------------------------------------------------------------------------------------
+
+TRAINED_AT = Topology(tp=2, pp=2, ep=2)
+#: optimizer form -> (topology exported at, world size): every form also exports at another topology.
+EXPORTS = {
+    "no_dist_opt": (Topology(), 2),
+    "dp_reshardable": (TRAINED_AT, 8),
+    "fully_reshardable": (Topology(ep=2), 2),
+}
+
+
+@pytest.fixture(scope="module")
+def trained(local_world, family, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """One Adam step at TP2·PP2·EP2 on 8 ranks, saved at iteration 7 by Megatron-LM's ``save_checkpoint``,
+    in each optimizer form; the trained weights (Megatron-Bridge's export) beside it as the reference."""
+    from megatron_lm_training import FORMS, train_and_save_job
+
+    root, hf = tmp_path_factory.mktemp("trained"), family["26b-a4b"]
+    results = {}
+    for form in FORMS:
+        save, reference = root / form / "save", root / form / "reference"
+        report = local_world(8).run(train_and_save_job, str(hf), str(save), str(reference), TRAINED_AT, form)[0]
+        results[form] = {**report, "save": save, "reference": reference, "hf": hf}
+    return results
+
+
+@pytest.mark.parametrize("form", list(EXPORTS))
+def test_megatron_lm_training_checkpoint_exports_the_trained_weights(local_world, trained, tmp_path, form) -> None:
+    """Model, optimizer (this form), RNG and args are in the checkpoint; ``export`` gives the trained
+    weights bitwise (not the source's: the step changed them)."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
+
+    run = trained[form]
+    assert run["changed"] >= run["tensors"] - 4, run["unchanged"]  # every weight but the frozen layer scalars
+    assert all(value for moments in run["moments"] for name, value in moments.items() if name != "loss")
+    iteration_dir = Path(run["iteration_dir"])
+    assert iteration_dir.name == "iter_0000007"
+    common = dist_checkpointing.load_common_state_dict(str(iteration_dir))
+    assert common["iteration"] == 7 and common["args"].use_distributed_optimizer == (form != "no_dist_opt")
+    stored = FileSystemReader(str(iteration_dir)).read_metadata().state_dict_metadata  # objects included
+    assert any(key.startswith("rng_state") for key in stored), sorted(stored)[:5]
+    assert any("optimizer" in key or key.startswith("chained_") for key in stored), sorted(stored)[:5]
+
+    topology, nproc = EXPORTS[form]
+    out = tmp_path / "hf"
+    local_world(nproc).run(export_job, str(run["save"]), str(run["hf"]), str(out), topology, False, 10**9)
+    reference, exported = load_file(str(run["reference"] / "model.safetensors")), HFCheckpoint(out).load()
+    assert reference and set(reference) <= set(exported)
+    assert [name for name in reference if not torch.equal(reference[name], exported[name])] == []
+
+
+def test_preflight_reads_a_training_checkpoints_args(trained, family, capsys, tmp_path: Path) -> None:
+    """No sidecar, no run config: the ``args`` Megatron-LM keeps in the common state are checked against
+    ``--hf-checkpoint`` before any rank starts (exit 2, one line); the matching source passes."""
+    from test_torch_dist import assert_refused
+
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
+    from vime_gemma4_bridge.io.torch_dist import TorchDistCheckpoint
+
+    run = trained["fully_reshardable"]
+    checkpoint = TorchDistCheckpoint(run["save"])
+    assert checkpoint.sidecar is None and checkpoint.training_args()["num_layers"] == 4
+    checkpoint.check_files()
+    checkpoint.check_matches(HFCheckpoint(run["hf"]))
+    other = family["31b"]
+    argv = ["export", "--load", run["save"], "--hf-checkpoint", other, "--output", tmp_path / "out"]
+    line = assert_refused(capsys, argv, ("holds a different model", "there and", "here"), tmp_path / "out")
+    assert any(field in line for field in ("num_layers", "hidden_size", "num_attention_heads", "num_experts")), line

@@ -332,7 +332,7 @@ def test_export_refusals(single_rank, checkpoints, capsys, tmp_path: Path) -> No
     assert_refused(capsys, argv, ("holds a different model", "num_hidden_layers is 4 there and 6 here"), out)
     fp32 = write_tiny_checkpoint(tmp_path / "fp32", dataclasses.replace(CHECKPOINTS["moe-vl"], dtype="float32"))
     argv = ["export", "--load", ckpt, "--hf-checkpoint", fp32, "--output", out]
-    needles = ("holds a different model", "model.language_model.", "BF16[", "there and F32[", "imported from")
+    needles = ("holds a different model", "model.language_model.", "BF16[", "there and F32[", "trained from")
     assert_refused(capsys, argv, needles, out)
 
     wider = write_tiny_checkpoint(tmp_path / "wider", dataclasses.replace(CHECKPOINTS["moe-vl"], vocab_size=512))

@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import shutil
+import warnings
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -194,10 +195,12 @@ class TorchDistCheckpoint:
         """Refuse (one line) if ``source`` (an :class:`~vime_gemma4_bridge.io.hf.HFCheckpoint`) is another model.
 
         With ``vime_gemma4.json`` (written by ``import``) every language-model tensor's name, shape and
-        dtype must agree; without it (e.g. a training checkpoint) the architecture fields of
-        ``run_config.yaml`` are compared when present. Ranks check every tensor again when loading.
+        dtype must agree; without it the architecture fields of ``run_config.yaml`` (Megatron-Bridge's
+        training) are compared, else those of the ``args`` Megatron-LM's ``save_checkpoint`` keeps in the
+        common state (vime's and miles' training). Ranks check every tensor again when loading.
+        Call :meth:`check_files` first: it vets the pickles this reads.
         """
-        hint = "pass the HF checkpoint it was imported from (or one with the same architecture)"
+        hint = "pass the HF checkpoint it was imported or trained from (or one with the same architecture)"
         if self.sidecar is not None:
             _check_text_config(self.sidecar.get("hf_config") or {}, source.config, self.path, source.path, hint)
             ours = self.sidecar.get("language_model") or {}
@@ -223,6 +226,23 @@ class TorchDistCheckpoint:
         run_config = self.iteration_dir / RUN_CONFIG_NAME
         if run_config.is_file():
             _check_run_config(run_config, source.config, self.path, source.path, hint)
+            return
+        args = self.training_args()
+        if args is not None:
+            _check_fields(args, _TRAINING_ARGS, source.config, self.path, source.path, hint)
+
+    def training_args(self) -> dict[str, Any] | None:
+        """The ``args`` a Megatron-LM training checkpoint's common state holds (those set), or ``None``.
+
+        Read by megatron-core's own ``load_common_state_dict`` (one process, no ranks), as Megatron-LM's
+        ``load_checkpoint`` reads it; ``import`` writes no args.
+        """
+        from megatron.core import dist_checkpointing
+
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            args = dist_checkpointing.load_common_state_dict(str(self.iteration_dir)).get("args")
+        return None if args is None else {name: value for name, value in vars(args).items() if value is not None}
 
 
 #: HF text-config fields that fix the Megatron model's shape and layer layout.
@@ -272,13 +292,32 @@ _ARCHITECTURE_FIELDS = {
 }
 
 
+#: Megatron-LM argument (``--num-layers`` ...) -> HF text-config field, for training checkpoints' ``args``.
+#: miles passes these for Gemma 4 (tests/snapshots/model_args/gemma-4-26b-a4b-it.txt @31f1ca96).
+_TRAINING_ARGS = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_experts": "num_experts",
+    "moe_ffn_hidden_size": "moe_intermediate_size",
+    "vocab_size": "vocab_size",
+}
+
+
 def _check_run_config(run_config: Path, hf_config: Mapping, ckpt: Path, hf: Path, hint: str) -> None:
     model = _read_run_config(run_config).get("model") or {}
+    _check_fields(model, _ARCHITECTURE_FIELDS, hf_config, ckpt, hf, hint)
+
+
+def _check_fields(
+    saved: Mapping[str, Any], fields: Mapping[str, str], hf_config: Mapping, ckpt: Path, hf: Path, hint: str
+) -> None:
+    """Every Megatron field ``saved`` holds equals its HF text-config field."""
     text = text_config_dict(hf_config)
-    for megatron_field, hf_field in _ARCHITECTURE_FIELDS.items():
-        if megatron_field not in model or hf_field not in text:
+    for megatron_field, hf_field in fields.items():
+        if megatron_field not in saved or hf_field not in text:
             continue
-        ours, theirs = model[megatron_field], text[hf_field]
+        ours, theirs = saved[megatron_field], text[hf_field]
         if hf_field == "num_experts" and not text.get("enable_moe_block"):
             theirs = None
         if ours != theirs:
