@@ -28,7 +28,7 @@ from test_torch_dist import assert_same_checkpoint
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.convert.torch_dist_jobs import export_job, import_job
 from vime_gemma4_bridge.io.torch_dist import ITERATION_DIR
-from vime_gemma4_bridge.io.torch_dist_layout import FORMER_KEYS
+from vime_gemma4_bridge.io.torch_dist_layout import FORMER_KEYS, foreign_layout
 from vime_gemma4_bridge.testing.spec import DENSE_SHAPES, TinySpec
 from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 
@@ -93,6 +93,7 @@ def test_one_key_set_on_both_hosts(local_world, family, member: str) -> None:
     keys = local_world(2).run(_keys_on_both_hosts, str(family[member]))[0]
     assert any(keys["te_maps"]), "megatron-core's TE spec no longer carries a keys map: re-derive this test"
     assert keys["cpu"] == keys["te"], (sorted(keys["cpu"] - keys["te"]), sorted(keys["te"] - keys["cpu"]))
+    assert foreign_layout(keys["cpu"]) is None
     if member == "26b-a4b":
         assert PRE_NORM_NOW in keys["cpu"] and PRE_NORM_BEFORE not in keys["cpu"]
         assert any(key.endswith("._extra_state") for key in keys["cpu"])
@@ -197,9 +198,70 @@ def test_preflight_reads_a_training_checkpoints_args(trained, family, capsys, tm
     run = trained["fully_reshardable"]
     checkpoint = TorchDistCheckpoint(run["save"])
     assert checkpoint.sidecar is None and checkpoint.training_args()["num_layers"] == 4
-    checkpoint.check_files()
+    for each in trained.values():  # every optimizer form's keys read as the plugin's own layout
+        TorchDistCheckpoint(each["save"]).check_files()
     checkpoint.check_matches(HFCheckpoint(run["hf"]))
     other = family["31b"]
     argv = ["export", "--load", run["save"], "--hf-checkpoint", other, "--output", tmp_path / "out"]
     line = assert_refused(capsys, argv, ("holds a different model", "there and", "here"), tmp_path / "out")
     assert any(field in line for field in ("num_layers", "hidden_size", "num_attention_heads", "num_experts")), line
+
+
+# ------------------------------------------------------------------------------------------------
+# Layouts the plugin does not read yet: refused in one line before any rank starts
+# ------------------------------------------------------------------------------------------------
+
+
+def _rekeyed_copy(save: Path, out: Path, rename: Any) -> Path:
+    """``save`` (one process, PyTorch's own checkpoint reader and writer) with every model key renamed."""
+    import io
+    import shutil
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, load
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    source = save / ITERATION_DIR
+    metadata = FileSystemReader(str(source)).read_metadata().state_dict_metadata
+    state: dict[str, Any] = {
+        key: io.BytesIO()
+        if isinstance(meta, BytesStorageMetadata)
+        else torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+    }
+    load(state, storage_reader=FileSystemReader(str(source)), no_dist=True)
+    target = out / ITERATION_DIR
+    target.mkdir(parents=True)
+    renamed = {(key if key.startswith("common_state") else rename(key)): value for key, value in state.items()}
+    dcp_save(renamed, storage_writer=FileSystemWriter(str(target)), no_dist=True)
+    shutil.copy(source / "metadata.json", target / "metadata.json")
+    shutil.copy(save / "latest_checkpointed_iteration.txt", out / "latest_checkpointed_iteration.txt")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("layout", "rename", "needles"),
+    [
+        ("vl", lambda key: f"language_model.{key}", ("Gemma4VLModel", "language_model.*")),
+        ("per-layer", lambda key: key.replace("decoder.layers.", "decoder.layers.0.", 1), ("one key per layer",)),
+        ("dense-upstream", lambda key: key.replace("post_ffn_layernorm", "post_mlp_layernorm"), ("dense Gemma 4",)),
+    ],
+    ids=["vl", "per-layer", "dense-upstream"],
+)
+def test_a_layout_the_plugin_cannot_read_is_refused_by_name(
+    local_world, family, capsys, tmp_path: Path, layout: str, rename: Any, needles: tuple[str, ...]
+) -> None:
+    """Keys as that writer names them (the cited files, docs/INTERCHANGE.md), written by PyTorch's own
+    checkpoint writer: ``export`` refuses in one line naming the layout, not from inside megatron-core."""
+    from test_torch_dist import assert_refused
+
+    hf, save = family["26b-a4b"], tmp_path / "ours"
+    local_world(2).run(import_job, str(hf), str(save), str(tmp_path / ".partial"), Topology())
+    foreign = _rekeyed_copy(save, tmp_path / layout, rename)
+    argv = ["export", "--load", foreign, "--hf-checkpoint", hf, "--output", tmp_path / "out"]
+    assert_refused(capsys, argv, ("is in the layout of", "does not read it yet", *needles), tmp_path / "out")
+    argv = ["export", "--load", str(save), "--hf-checkpoint", str(hf), "--output", str(tmp_path / "out"), "--json"]
+    from vime_gemma4_bridge.cli import main as cli
+
+    assert cli.main(argv) == 0  # the same tensors under our keys: exported

@@ -49,7 +49,13 @@ from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.compat.cuda import cpu_checkpointing
 from vime_gemma4_bridge.compat.write_results import in_process_write_results
 from vime_gemma4_bridge.core.hf_layout import text_config_dict
-from vime_gemma4_bridge.io.torch_dist_layout import EXTRA_STATE, ConversionError, refuse_unused_keys, sharded_state_dict
+from vime_gemma4_bridge.io.torch_dist_layout import (
+    EXTRA_STATE,
+    ConversionError,
+    foreign_layout,
+    refuse_unused_keys,
+    sharded_state_dict,
+)
 
 __all__ = [
     "ITERATION",
@@ -156,6 +162,12 @@ class TorchDistCheckpoint:
         from vime_gemma4_bridge.io.safe_pickle import check_archive, check_archives, read_checkpoint_metadata
 
         metadata = read_checkpoint_metadata(self.iteration_dir)  # refuses a .metadata that could run code
+        layout = foreign_layout(metadata.state_dict_metadata)
+        if layout is not None:
+            raise ConversionError(
+                f"torch_dist checkpoint {self.path} is in the layout of {layout}; vime-gemma4 does not read it yet "
+                "(docs/INTERCHANGE.md)"
+            )
         needed: dict[str, tuple[int, str]] = {}
         items: dict[str, list[tuple[str, int, int]]] = {}
         for index, info in metadata.storage_data.items():

@@ -21,6 +21,35 @@ EXTRA_STATE = re.compile(r"_extra_state\d*$")
 FORMER_KEYS = {"decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight"}
 
 
+#: Layouts other Gemma 4 code writes that the plugin does not read (yet): a test on a model key -> the layout's
+#: name and what it lacks (docs/INTERCHANGE.md has the derivations).
+FOREIGN_LAYOUTS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(r"^language_model\."),
+        "Megatron-Bridge's Gemma4VLModel (upstream, or miles' runs on its fork): the text model is under "
+        "language_model.*, not at the top level (decoder.*, embedding.*)",
+    ),
+    (
+        re.compile(r"^decoder\.layers\.\d+\."),
+        "one key per layer (vime's or slime's native Gemma 4, or upstream Megatron-Bridge's E2B): "
+        "decoder.layers.<i>.* with no layer axis, not the stacked decoder.layers.*",
+    ),
+    (
+        re.compile(r"\.post_self_attn_layernorm\.|\.post_mlp_layernorm\."),
+        "upstream Megatron-Bridge's dense Gemma 4 (its own norm names: post_self_attn_layernorm, post_mlp_layernorm)",
+    ),
+)
+
+
+def foreign_layout(keys: Iterable[str]) -> str | None:
+    """The layout another Gemma 4 implementation wrote these torch_dist keys in, if the plugin cannot read it."""
+    model_keys = [key for key in keys if not NON_MODEL_KEY.search(key)]
+    for pattern, layout in FOREIGN_LAYOUTS:
+        if any(pattern.search(key) for key in model_keys):
+            return layout
+    return None
+
+
 class ConversionError(ValueError):
     """A conversion cannot proceed (one line: what is wrong and what to do)."""
 
