@@ -212,13 +212,14 @@ def test_preflight_reads_a_training_checkpoints_args(trained, family, capsys, tm
 # ------------------------------------------------------------------------------------------------
 
 
-def _rekeyed_copy(save: Path, out: Path, rename: Any) -> Path:
-    """``save`` (one process, PyTorch's own checkpoint reader and writer) with every model key renamed."""
+def _rekeyed_copy(save: Path, out: Path, rename: Any, extra: dict[str, Any] | None = None) -> Path:
+    """``save`` (one process, PyTorch's own checkpoint reader and writer) with every model key renamed and
+    ``extra`` items added; no sidecar, digests or run config (as other code writes it)."""
     import io
     import shutil
 
     import torch
-    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, load
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter, load
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -231,10 +232,16 @@ def _rekeyed_copy(save: Path, out: Path, rename: Any) -> Path:
         for key, meta in metadata.items()
     }
     load(state, storage_reader=FileSystemReader(str(source)), no_dist=True)
+    for key, meta in metadata.items():  # a byte item comes back as its bytes: the object, which the writer pickles
+        if isinstance(meta, BytesStorageMetadata) and isinstance(state[key], io.BytesIO):
+            state[key].seek(0)
+            state[key] = torch.load(state[key], weights_only=False)
     target = out / ITERATION_DIR
     target.mkdir(parents=True)
     renamed = {(key if key.startswith("common_state") else rename(key)): value for key, value in state.items()}
-    dcp_save(renamed, storage_writer=FileSystemWriter(str(target)), no_dist=True)
+    renamed.update(extra or {})
+    writer, planner = FileSystemWriter(str(target)), DefaultSavePlanner(flatten_state_dict=False)
+    dcp_save(renamed, storage_writer=writer, planner=planner, no_dist=True)
     shutil.copy(source / "metadata.json", target / "metadata.json")
     shutil.copy(save / "latest_checkpointed_iteration.txt", out / "latest_checkpointed_iteration.txt")
     return out
@@ -265,3 +272,50 @@ def test_a_layout_the_plugin_cannot_read_is_refused_by_name(
     from vime_gemma4_bridge.cli import main as cli
 
     assert cli.main(argv) == 0  # the same tensors under our keys: exported
+
+
+def _te_norm_extra_states(layers: int, sliding: int) -> dict[str, Any]:
+    """The 8 ``_extra_state`` objects upstream Megatron-Bridge 0.6.2's Gemma 4 MoE text model writes and the
+    plugin does not: its ``TENorm`` q/k norms, ``linear_proj.post_layernorm`` (per attention type),
+    ``pre_mlp_layernorm`` and final norm (modeling_gemma4.py L1517-1549, common/te_layers.py L26-47;
+    megatron-core ``TENorm`` is a plain ``te.pytorch.RMSNorm``, extensions/transformer_engine.py
+    L796-853, whose state holds an empty uint8 ``_extra_state`` without FP8 — TE's ops-based RMSNorm).
+    ShardedObject unique keys (megatron-core dist_checkpointing/mapping.py L397-403), one per layer, each
+    stored as megatron-core's torch_dist strategy stores an object (strategies/torch.py L316-320)."""
+
+    import torch
+
+    def payload() -> list:
+        return [torch.empty(0, dtype=torch.uint8)]  # megatron-core pickles a list per object (L316-320)
+
+    counts = {"sliding": sliding, "global": layers - sliding}
+    items = {"decoder.final_layernorm._extra_state/shard_0_1": payload()}
+    for i in range(layers):
+        items[f"decoder.layers.pre_mlp_layernorm._extra_state/shard_{i}_{layers}"] = payload()
+    for kind, count in counts.items():
+        for i in range(count):
+            for norm in ("q_layernorm", "k_layernorm", "linear_proj.post_layernorm"):
+                items[f"decoder.layers.self_attention_{kind}.{norm}._extra_state/shard_{i}_{count}"] = payload()
+    return items
+
+
+@pytest.mark.parametrize("exported_at", [Topology(), Topology(tp=2)], ids=str)
+def test_upstream_megatron_bridge_moe_text_layout_exports_bitwise(
+    local_world, family, tmp_path: Path, exported_at: Topology
+) -> None:
+    """Upstream's MoE text layout, pinned from its files (the keys are ours plus the 8 TE-norm objects;
+    docs/INTERCHANGE.md), re-keyed by PyTorch's own writer: exported bitwise on both export paths; with
+    one key named otherwise (``router.scale``) the ranks refuse, naming the key the model needs."""
+    from vime_gemma4_bridge.runtime.world import RankError
+
+    world, hf = local_world(2), family["26b-a4b"]
+    save = tmp_path / "ours"
+    world.run(import_job, str(hf), str(save), str(tmp_path / ".partial"), Topology())
+    upstream = _rekeyed_copy(save, tmp_path / "upstream", lambda key: key, _te_norm_extra_states(4, 2))
+    out = tmp_path / "hf"
+    world.run(export_job, str(upstream), str(hf), str(out), exported_at, False, 10**9)
+    assert_same_checkpoint(hf, out)
+
+    renamed = _rekeyed_copy(save, tmp_path / "renamed", lambda key: key.replace("router.scale", "router.gain"))
+    with pytest.raises(RankError, match=r"decoder\.layers\.mlp\.router\.scale"):
+        world.run(export_job, str(renamed), str(hf), str(tmp_path / "hf2"), exported_at, False, 10**9)
