@@ -44,11 +44,20 @@ def family(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @contextlib.contextmanager
 def _te_spec_provider() -> Iterator[None]:
-    """megatron-core's ``TESpecProvider`` where TE does not import (gpt_layer_specs sets it to ``None``)."""
-    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+    """megatron-core's ``TESpecProvider`` and ``TENorm`` where TE does not import (gpt_layer_specs sets them to
+    ``None``); the
+    TE classes megatron-core stands in with ``MagicMock`` instances become named classes, as with TE (specs
+    are deep-copied, and a mock is not), and the TE version is one that takes ``TENorm`` for q/k norms (1.9+)."""
+    from megatron.core.extensions import transformer_engine_spec_provider as provider
     from megatron.core.models.gpt import gpt_layer_specs
 
-    with mock.patch.object(gpt_layer_specs, "TESpecProvider", TESpecProvider):
+    with contextlib.ExitStack() as stack:
+        for name, value in vars(provider).copy().items():
+            if isinstance(value, mock.MagicMock):
+                stack.enter_context(mock.patch.object(provider, name, type(name, (), {})))
+        stack.enter_context(mock.patch.object(gpt_layer_specs, "TESpecProvider", provider.TESpecProvider))
+        stack.enter_context(mock.patch.object(gpt_layer_specs, "TENorm", provider.TENorm))
+        stack.enter_context(mock.patch.object(provider, "is_te_min_version", lambda version: True))  # TE >= 1.9
         yield
 
 
@@ -223,7 +232,9 @@ def _rekeyed_copy(save: Path, out: Path, rename: Any, extra: dict[str, Any] | No
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    source = save / ITERATION_DIR
+    from vime_gemma4_bridge.io.torch_dist import TorchDistCheckpoint
+
+    source = TorchDistCheckpoint(save).iteration_dir
     metadata = FileSystemReader(str(source)).read_metadata().state_dict_metadata
     state: dict[str, Any] = {
         key: io.BytesIO()
@@ -236,7 +247,7 @@ def _rekeyed_copy(save: Path, out: Path, rename: Any, extra: dict[str, Any] | No
         if isinstance(meta, BytesStorageMetadata) and isinstance(state[key], io.BytesIO):
             state[key].seek(0)
             state[key] = torch.load(state[key], weights_only=False)
-    target = out / ITERATION_DIR
+    target = out / source.name
     target.mkdir(parents=True)
     renamed = {(key if key.startswith("common_state") else rename(key)): value for key, value in state.items()}
     renamed.update(extra or {})
@@ -319,3 +330,163 @@ def test_upstream_megatron_bridge_moe_text_layout_exports_bitwise(
     renamed = _rekeyed_copy(save, tmp_path / "renamed", lambda key: key.replace("router.scale", "router.gain"))
     with pytest.raises(RankError, match=r"decoder\.layers\.mlp\.router\.scale"):
         world.run(export_job, str(renamed), str(hf), str(tmp_path / "hf2"), exported_at, False, 10**9)
+
+
+# ------------------------------------------------------------------------------------------------
+# Read there: what the plugin writes is what upstream Megatron-Bridge's Gemma 4 MoE model asks for
+# ------------------------------------------------------------------------------------------------
+
+
+def _upstream_te_norm_keys(model: list) -> set[str]:
+    """The ``_extra_state`` keys upstream's Gemma 4 MoE model asks for besides ours, derived from the installed
+    release: its block spec (``gemma4_block_spec``, megatron/bridge/models/gemma/modeling_gemma4.py L1517-1549,
+    built on megatron-core's TE spec with ``TESpecProvider``'s classes named, none instantiated) puts ``TENorm``
+    where a norm's state carries ``_extra_state``; its ``linear_proj`` class adds a ``TENorm`` post-norm
+    (common/te_layers.py L47); its attention re-keys per layer type as ours does (L1565-1629)."""
+    from megatron.bridge.models.common.te_layers import TERowParallelLinearLayerNorm
+    from megatron.bridge.models.gemma.modeling_gemma4 import gemma4_block_spec
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+    from megatron.core.utils import get_model_config
+
+    with _te_spec_provider():
+        block = gemma4_block_spec(get_model_config(model[0]), use_transformer_engine=True)
+        te_norms = {TESpecProvider().layer_norm(), TESpecProvider().layer_norm(has_residual=True)}
+    te_norm = TESpecProvider().layer_norm()  # TENorm (the residual-fused adapter builds one too)
+    keys = {"decoder.final_layernorm._extra_state"} if block.layer_norm is te_norm else set()
+    for layer, spec in zip(model[0].decoder.layers, block.layer_specs, strict=True):
+        attention = f"decoder.layers.self_attention_{'sliding' if layer.self_attention.is_sliding else 'global'}."
+        submodules = spec.submodules.self_attention.submodules
+        keys |= {
+            f"{attention}{norm}._extra_state"
+            for norm in ("q_layernorm", "k_layernorm")
+            if getattr(submodules, norm) is te_norm
+        }
+        if submodules.linear_proj is TERowParallelLinearLayerNorm:
+            keys.add(f"{attention}linear_proj.post_layernorm._extra_state")
+        if spec.submodules.pre_mlp_layernorm in te_norms:
+            keys.add("decoder.layers.pre_mlp_layernorm._extra_state")
+    return keys
+
+
+def _import_without_te_norm_states(*job_args: Any) -> dict:
+    """``import_job`` writing what the plugin wrote up to 8c14aa5: no TE-norm objects."""
+    from vime_gemma4_bridge.io import torch_dist
+
+    with mock.patch.object(torch_dist, "upstream_te_norm_states", lambda state: {}):
+        return import_job(*job_args)
+
+
+def _load_as_upstream(save: str, hf_checkpoint: str, topology: Topology) -> dict[str, Any]:
+    """megatron-core's load of ``save`` into the plugin's model plus upstream's TE-norm objects, at
+    Megatron-Bridge's default strictness (``assume_ok_unexpected``, training/checkpointing.py L2182-2229):
+    what upstream's load of this checkpoint asks for. Returns the derived keys and the missing-key error."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from vime_gemma4_bridge.compat.cuda import cpu_checkpointing
+    from vime_gemma4_bridge.convert.model import build_model, open_bridge
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+    from vime_gemma4_bridge.io.torch_dist_layout import sharded_state_dict, upstream_te_norm_states
+
+    init_model_parallel(topology, keep_if_same=True)
+    model = build_model(open_bridge(hf_checkpoint), topology, initialize=False)
+    derived = _upstream_te_norm_keys(model)
+    state = sharded_state_dict(model)[0]
+    objects = upstream_te_norm_states(state["model"])
+    state["model"].update(objects)
+    iteration_dir = str(Path(save) / ITERATION_DIR)
+    error = ""
+    try:
+        with cpu_checkpointing():
+            dist_checkpointing.load(state, iteration_dir, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    except (CheckpointingException, CheckpointException) as caught:  # megatron-core's check, or PyTorch's planner
+        error = str(caught)
+    return {"derived": derived, "asked": {item.key for item in objects.values()}, "ours": _keys(model), "error": error}
+
+
+@pytest.mark.parametrize(
+    ("saved_at", "loaded_at"), [(Topology(), Topology(pp=2)), (Topology(tp=2), Topology())], ids=str
+)
+def test_our_moe_checkpoint_holds_every_key_upstream_asks_for(
+    local_world, family, tmp_path: Path, saved_at: Topology, loaded_at: Topology
+) -> None:
+    """The key set of what ``import`` writes equals ours plus the 8 TE-norm objects upstream's model asks for
+    (derived from the installed Megatron-Bridge's spec), and a load asking for all of them at upstream's
+    default strictness passes at another topology. Negative control: the same import without the objects
+    (as up to 8c14aa5) is refused by that load for a missing ``_extra_state``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from vime_gemma4_bridge.io.torch_dist_layout import NON_MODEL_KEY
+
+    world, hf = local_world(2), family["26b-a4b"]
+    save = tmp_path / "ours"
+    world.run(import_job, str(hf), str(save), str(tmp_path / ".partial"), saved_at)
+    report = world.run(_load_as_upstream, str(save), str(hf), loaded_at)
+    assert report[0]["error"] == "" and report[1]["error"] == ""
+    derived = set().union(*(each["derived"] for each in report))
+    assert len(derived) == 8 and derived == set().union(*(each["asked"] for each in report)), derived
+    stored = FileSystemReader(str(save / ITERATION_DIR)).read_metadata().state_dict_metadata
+    written = {key.split("/shard_")[0] for key in stored if not NON_MODEL_KEY.search(key)}
+    ours = set().union(*(each["ours"] for each in report))
+    assert written == ours | derived, (sorted(written - ours - derived), sorted((ours | derived) - written))
+
+    before = tmp_path / "before"
+    world.run(_import_without_te_norm_states, str(hf), str(before), str(tmp_path / ".partial2"), saved_at)
+    report = world.run(_load_as_upstream, str(before), str(hf), loaded_at)
+    assert "Missing key" in report[0]["error"] and "_extra_state" in report[0]["error"], report[0]["error"][:300]
+
+
+# ------------------------------------------------------------------------------------------------
+# Resume safely: positional optimizer state of a model that orders its parameters otherwise
+# ------------------------------------------------------------------------------------------------
+
+
+def test_resume_of_positional_optimizer_state_from_upstream_is_refused(trained, tmp_path: Path) -> None:
+    """A Megatron-LM training checkpoint in upstream Megatron-Bridge's layout (the plugin's run, re-keyed as
+    its files name the keys: ours plus its TE norms' 8 objects) is refused for resume by miles' hook where
+    the optimizer state is positional (``dp_reshardable``), naming both ways out, and passes where it is
+    keyed by name or not loaded; the plugin's own checkpoints pass in every form. The premise is checked
+    too: the name-keyed forms' optimizer keys carry the model's keys, the positional form's do not."""
+    from argparse import Namespace
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from vime_gemma4_bridge.compat import seams
+    from vime_gemma4_bridge.convert.miles import launch_problems
+    from vime_gemma4_bridge.io.torch_dist import TorchDistCheckpoint
+    from vime_gemma4_bridge.io.torch_dist_layout import NON_MODEL_KEY
+
+    def problems(load: Path, **flags: Any) -> list[str]:
+        args = Namespace(
+            hf_checkpoint=str(trained["dp_reshardable"]["hf"]),
+            load=str(load),
+            colocate=True,
+            megatron_to_hf_mode="bridge",
+            no_load_optim=False,
+            finetune=False,
+        )
+        vars(args).update(flags)
+        return launch_problems(args, export_tuple=seams.THIRD_FIELD)
+
+    for form, run in trained.items():
+        assert TorchDistCheckpoint(run["save"]).optimizer_order_hazard() is None, form
+        assert problems(run["save"]) == [], form
+        stored = FileSystemReader(str(Path(run["iteration_dir"]))).read_metadata().state_dict_metadata
+        model_keys = {key for key in stored if not NON_MODEL_KEY.search(key)}
+        optimizer = [key for key in stored if "optimizer" in key and ".exp_avg" in key]
+        by_name = [key for key in optimizer if any(model_key in key for model_key in model_keys)]
+        assert optimizer and (by_name == optimizer if form != "dp_reshardable" else by_name == []), (
+            form,
+            optimizer[:4],
+        )
+
+        upstream = _rekeyed_copy(run["save"], tmp_path / form, lambda key: key, _te_norm_extra_states(4, 2))
+        hazard = TorchDistCheckpoint(upstream).optimizer_order_hazard()
+        if form != "dp_reshardable":
+            assert hazard is None and problems(upstream) == [], (form, hazard)
+            continue
+        assert hazard and "--no-load-optim" in hazard and "--dist-ckpt-optim-fully-reshardable" in hazard, hazard
+        assert problems(upstream) == [hazard] and "\n" not in hazard
+        assert problems(upstream, no_load_optim=True) == [] and problems(upstream, finetune=True) == []

@@ -21,6 +21,8 @@ Why each refusal (all @31f1ca96):
   the bridge iterator serves those paths for LoRA only, so a LoRA run (base never pushed) passes.
 - a Megatron-Bridge whose export yields two fields: ``hf_weight_iterator_bridge.py`` L73 unpacks
   three (``ValueError: not enough values to unpack``): miles' image installs radixark's fork.
+- ``--load`` with upstream Megatron-Bridge's positional (``dp_reshardable``) optimizer state: its
+  parameter order is not the plugin's (:meth:`TorchDistCheckpoint.optimizer_order_hazard`).
 - FP8 rollouts with stacked experts: ``quantizer_fp8.py`` L115 asserts every quantized HF name ends
   in ``.weight``; stacked experts are ``experts.gate_up_proj`` / ``experts.down_proj``.
 """
@@ -34,6 +36,8 @@ from typing import Any
 
 from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.core.hf_layout import EXPERT_LAYOUT_ENV, LANGUAGE_MODEL_PREFIX, PER_EXPERT, STACKED
+from vime_gemma4_bridge.io.torch_dist import TorchDistCheckpoint
+from vime_gemma4_bridge.io.torch_dist_layout import ConversionError
 
 #: What miles' documentation names the hook by (the package root re-exports it lazily).
 ENTRY_POINT = "vime_gemma4_bridge.miles_init"
@@ -64,6 +68,23 @@ def _lora_rollout(args: Any) -> bool:
     return lora and not getattr(args, "lora_train_only", False)
 
 
+def _optimizer_order_hazard(args: Any) -> str | None:
+    """Megatron-LM's ``load_checkpoint`` would resume ``--load``'s optimizer state, and it is positional
+    state of a model that orders its parameters otherwise (:meth:`TorchDistCheckpoint.optimizer_order_hazard`).
+
+    Megatron-LM loads the optimizer unless ``--no-load-optim`` or ``--finetune``
+    (``training/checkpointing.py`` L2208-2212); a ``--load`` that is not a torch_dist checkpoint is
+    miles' to report.
+    """
+    load = getattr(args, "load", None)
+    if not load or getattr(args, "no_load_optim", False) or getattr(args, "finetune", False):
+        return None
+    try:
+        return TorchDistCheckpoint(load).optimizer_order_hazard()
+    except ConversionError:
+        return None
+
+
 def launch_problems(args: Any, export_tuple: str | None = None) -> list[str]:
     """Every reason miles cannot run this launch with Gemma 4, each one line naming what to use; [] if none.
 
@@ -92,6 +113,9 @@ def launch_problems(args: Any, export_tuple: str | None = None) -> list[str]:
                 "miles' bridge weight sync unpacks (hf_name, tensor, megatron_name) and this Megatron-Bridge "
                 "yields two fields: install radixark's Megatron-Bridge fork, as miles' image does"
             )
+    hazard = _optimizer_order_hazard(args)
+    if hazard:
+        problems.append(hazard)
     quantization = (config.get("quantization_config") or {}).get("quant_method")
     layout = os.environ.get(EXPERT_LAYOUT_ENV, STACKED)
     if quantization == "fp8" and (config.get("text_config") or config).get("enable_moe_block") and layout != PER_EXPERT:

@@ -51,10 +51,13 @@ from vime_gemma4_bridge.compat.write_results import in_process_write_results
 from vime_gemma4_bridge.core.hf_layout import text_config_dict
 from vime_gemma4_bridge.io.torch_dist_layout import (
     EXTRA_STATE,
+    NON_MODEL_KEY,
+    UPSTREAM_TE_NORM_STATE,
     ConversionError,
     foreign_layout,
     refuse_unused_keys,
     sharded_state_dict,
+    upstream_te_norm_states,
 )
 
 __all__ = [
@@ -256,6 +259,44 @@ class TorchDistCheckpoint:
             args = dist_checkpointing.load_common_state_dict(str(self.iteration_dir)).get("args")
         return None if args is None else {name: value for name, value in vars(args).items() if value is not None}
 
+    def optimizer_order_hazard(self) -> str | None:
+        """Why resuming this checkpoint's optimizer state into the plugin's model would misplace it, or ``None``.
+
+        megatron-core's distributed optimizer keys its ``dp_reshardable`` state (Megatron-LM's default,
+        and the legacy ``dp_zero_gather_scatter``) by position in its flat buffers, not by name
+        (Megatron-LM ``training/checkpointing.py`` L2219-2245 refuses such state for a hybrid model
+        likewise). Upstream Megatron-Bridge's Gemma 4 registers the router's ``per_expert_scale`` before
+        ``scale`` and the layer's ``pre_shared_expert_layernorm`` before ``post_ffn_layernorm``
+        (docs/INTERCHANGE.md): the buckets have the same size, so its state would load without error with
+        Adam's moments on the wrong tensors. Its model writes the TE norms' ``_extra_state`` objects, which
+        the plugin's model never does (only ``import`` adds them, with no optimizer state): that marks the
+        writer. Name-keyed forms (no distributed optimizer, ``fully_reshardable``) resume correctly.
+        """
+        from megatron.core import dist_checkpointing
+        from torch.distributed.checkpoint import FileSystemReader
+
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            common = dist_checkpointing.load_common_state_dict(str(self.iteration_dir))
+        sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+        if not getattr(common.get("args"), "use_distributed_optimizer", False) or sharding in NAME_KEYED_OPTIMIZER:
+            return None
+        stored = FileSystemReader(str(self.iteration_dir)).read_metadata().state_dict_metadata
+        if not any(NON_MODEL_KEY.search(key) and "optimizer" in key for key in stored):
+            return None
+        if not any(UPSTREAM_TE_NORM_STATE.match(key) for key in stored):
+            return None  # written by the plugin's own model: its parameter order
+        return (
+            f"{self.path} holds distributed-optimizer state in the {sharding or 'dp_zero_gather_scatter'} format, "
+            "keyed by parameter position, written by upstream Megatron-Bridge's Gemma 4, which orders the router's "
+            "scales and the post-FFN / pre-shared-expert norms otherwise than this model: resuming would put "
+            "Adam's moments on the wrong tensors. Resume with --no-load-optim, or re-save it with "
+            "--dist-ckpt-optim-fully-reshardable (keyed by name)"
+        )
+
+
+#: megatron-core's distributed-optimizer formats that key optimizer state by parameter name.
+NAME_KEYED_OPTIMIZER = ("fully_reshardable", "fully_sharded_model_space")
 
 #: HF text-config fields that fix the Megatron model's shape and layer layout.
 _TEXT_CONFIG_FIELDS = (
@@ -365,11 +406,18 @@ def save_torch_dist(model: list, iteration_dir: str | os.PathLike, *, leave_out:
 
     ``leave_out`` names parameters (of a one-chunk model) whose items the caller writes itself
     (:mod:`vime_gemma4_bridge.convert.stream_import`); their modules' other entries are saved as usual.
+    A MoE model's save also holds the ``_extra_state`` objects of the norms upstream Megatron-Bridge's Gemma 4
+    builds with Transformer Engine (:func:`upstream_te_norm_states`), so that its default-strict load takes
+    the checkpoint; the plugin's own loads ignore them.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.utils import get_model_config
 
     state, metadata = sharded_state_dict(model)
+    if get_model_config(model[0]).num_moe_experts:  # what upstream's Gemma 4 MoE model asks for besides ours
+        for chunk in [key for key in state if key.startswith("model")]:
+            state[chunk] = {**state[chunk], **upstream_te_norm_states(state[chunk])}
     if leave_out:
         state["model"] = {name: value for name, value in state["model"].items() if name not in leave_out}
     state["checkpoint_version"] = CHECKPOINT_VERSION

@@ -41,6 +41,44 @@ FOREIGN_LAYOUTS: tuple[tuple[re.Pattern[str], str], ...] = (
 )
 
 
+#: The norms upstream Megatron-Bridge's Gemma 4 MoE model builds as megatron-core's ``TENorm`` (q/k norms,
+#: ``linear_proj.post_layernorm``, ``pre_mlp_layernorm``, the final norm; docs/INTERCHANGE.md): a TE
+#: RMSNorm, whose state carries an ``_extra_state`` (empty without FP8) that its default-strict load asks for.
+UPSTREAM_TE_NORM = (
+    r"^decoder\.(final_layernorm|layers\.pre_mlp_layernorm"
+    r"|layers\.self_attention_\w+\.(q_layernorm|k_layernorm|linear_proj\.post_layernorm))\."
+)
+UPSTREAM_TE_NORM_WEIGHT = re.compile(UPSTREAM_TE_NORM + "weight$")
+#: One of those objects as PyTorch's checkpoint metadata names it (megatron-core adds ``/shard_<offset>_<shape>``).
+UPSTREAM_TE_NORM_STATE = re.compile(UPSTREAM_TE_NORM + r"_extra_state(/|$)")
+
+
+def upstream_te_norm_states(model_state: dict[str, Any]) -> dict[str, Any]:
+    """The ``_extra_state`` objects upstream's TE norms write, for a MoE model's sharded state dict.
+
+    The plugin's norms hold no state besides the weight; its saves add these (an empty uint8 tensor,
+    what a TE RMSNorm without FP8 holds) so that upstream Megatron-Bridge's Gemma 4 loads the checkpoint
+    at its default strictness. Each is the object megatron-core would make for that module: the
+    weight's key with ``_extra_state``, its layer axes as the object's offsets, its replica id. The
+    plugin's own loads never ask for them (an ``_extra_state`` nothing asks for is ignored).
+    """
+    import torch
+    from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
+
+    objects = {}
+    for name, item in model_state.items():
+        key = getattr(item, "key", "")
+        if not UPSTREAM_TE_NORM_WEIGHT.match(key):
+            continue
+        axes = item.prepend_axis_num
+        offsets = tuple((axis, item.global_offset[axis], item.global_shape[axis]) for axis in range(axes))
+        object_key = key.removesuffix("weight") + "_extra_state"
+        objects[name.removesuffix("weight") + "_extra_state"] = make_sharded_object_for_checkpoint(
+            torch.empty(0, dtype=torch.uint8), object_key, offsets, item.replica_id
+        )
+    return objects
+
+
 def foreign_layout(keys: Iterable[str]) -> str | None:
     """The layout another Gemma 4 implementation wrote these torch_dist keys in, if the plugin cannot read it."""
     model_keys = [key for key in keys if not NON_MODEL_KEY.search(key)]
