@@ -224,29 +224,15 @@ def test_preflight_reads_a_training_checkpoints_args(trained, family, capsys, tm
 def _rekeyed_copy(save: Path, out: Path, rename: Any, extra: dict[str, Any] | None = None) -> Path:
     """``save`` (one process, PyTorch's own checkpoint reader and writer) with every model key renamed and
     ``extra`` items added; no sidecar, digests or run config (as other code writes it)."""
-    import io
     import shutil
 
-    import torch
-    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter, load
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     from vime_gemma4_bridge.io.torch_dist import TorchDistCheckpoint
 
     source = TorchDistCheckpoint(save).iteration_dir
-    metadata = FileSystemReader(str(source)).read_metadata().state_dict_metadata
-    state: dict[str, Any] = {
-        key: io.BytesIO()
-        if isinstance(meta, BytesStorageMetadata)
-        else torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.items()
-    }
-    load(state, storage_reader=FileSystemReader(str(source)), no_dist=True)
-    for key, meta in metadata.items():  # a byte item comes back as its bytes: the object, which the writer pickles
-        if isinstance(meta, BytesStorageMetadata) and isinstance(state[key], io.BytesIO):
-            state[key].seek(0)
-            state[key] = torch.load(state[key], weights_only=False)
+    state = _items(save)[0]
     target = out / source.name
     target.mkdir(parents=True)
     renamed = {(key if key.startswith("common_state") else rename(key)): value for key, value in state.items()}
@@ -261,11 +247,18 @@ def _rekeyed_copy(save: Path, out: Path, rename: Any, extra: dict[str, Any] | No
 @pytest.mark.parametrize(
     ("layout", "rename", "needles"),
     [
-        ("vl", lambda key: f"language_model.{key}", ("Gemma4VLModel", "language_model.*")),
-        ("per-layer", lambda key: key.replace("decoder.layers.", "decoder.layers.0.", 1), ("one key per layer",)),
-        ("dense-upstream", lambda key: key.replace("post_ffn_layernorm", "post_mlp_layernorm"), ("dense Gemma 4",)),
+        (
+            "per-layer",
+            lambda key: key.replace("decoder.layers.", "decoder.layers.0.", 1),
+            ("one key per layer", "migrate"),
+        ),
+        (
+            "dense-upstream",
+            lambda key: key.replace("post_ffn_layernorm", "post_mlp_layernorm"),
+            ("dense Gemma 4", "does not read it yet"),
+        ),
     ],
-    ids=["vl", "per-layer", "dense-upstream"],
+    ids=["per-layer", "dense-upstream"],
 )
 def test_a_layout_the_plugin_cannot_read_is_refused_by_name(
     local_world, family, capsys, tmp_path: Path, layout: str, rename: Any, needles: tuple[str, ...]
@@ -278,7 +271,7 @@ def test_a_layout_the_plugin_cannot_read_is_refused_by_name(
     local_world(2).run(import_job, str(hf), str(save), str(tmp_path / ".partial"), Topology())
     foreign = _rekeyed_copy(save, tmp_path / layout, rename)
     argv = ["export", "--load", foreign, "--hf-checkpoint", hf, "--output", tmp_path / "out"]
-    assert_refused(capsys, argv, ("is in the layout of", "does not read it yet", *needles), tmp_path / "out")
+    assert_refused(capsys, argv, ("is in the layout of", *needles), tmp_path / "out")
     argv = ["export", "--load", str(save), "--hf-checkpoint", str(hf), "--output", str(tmp_path / "out"), "--json"]
     from vime_gemma4_bridge.cli import main as cli
 
@@ -490,3 +483,274 @@ def test_resume_of_positional_optimizer_state_from_upstream_is_refused(trained, 
         assert hazard and "--no-load-optim" in hazard and "--dist-ckpt-optim-fully-reshardable" in hazard, hazard
         assert problems(upstream) == [hazard] and "\n" not in hazard
         assert problems(upstream, no_load_optim=True) == [] and problems(upstream, finetune=True) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# The vision-language layout: Megatron-Bridge's Gemma4VLModel (upstream; miles' runs on the fork)
+# ------------------------------------------------------------------------------------------------
+
+TOWER_DELTA = 1.0
+
+
+def _save_as_gemma4_vl_model(hf_checkpoint: str, ours: str, save: str, topology: Topology) -> dict[str, Any]:
+    """A checkpoint written by Megatron-Bridge's own ``Gemma4VLModel`` (the installed release's class,
+    megatron/bridge/models/gemma_vl/modeling_gemma4_vl.py L143-179, built on this CPU host): its towers are
+    transformers' modules from the HF config with the source's weights plus ``TOWER_DELTA`` (a training
+    run changed them), its language model the plugin's loaded from ``ours`` (upstream's own needs TE; its
+    keys are ours plus the TE norms' objects, which the save writes). megatron-core's save, as upstream's."""
+    import copy
+
+    import torch
+    from megatron.bridge.models.gemma_vl.modeling_gemma4_vl import Gemma4VLModel
+    from megatron.core.utils import get_model_config
+    from transformers import AutoConfig
+
+    from vime_gemma4_bridge.convert.model import build_model, is_rank0, open_bridge
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
+    from vime_gemma4_bridge.io.torch_dist import ITERATION, TRACKER_NAME, load_torch_dist, save_torch_dist
+
+    init_model_parallel(topology, keep_if_same=True)
+    model = build_model(open_bridge(hf_checkpoint), topology, initialize=False)
+    load_torch_dist(model, Path(ours) / ITERATION_DIR)
+    hf_config = AutoConfig.from_pretrained(hf_checkpoint)
+    provider = copy.copy(get_model_config(model[0]))
+    provider.vision_config, provider.text_config = hf_config.vision_config, hf_config.text_config
+    provider.provide_language_model = lambda **kwargs: model[0]
+    vl = Gemma4VLModel(provider)
+    source = HFCheckpoint(hf_checkpoint)
+    with torch.no_grad():
+        for module in ("vision_tower", "embed_vision"):
+            prefix = f"model.{module}."
+            weights = source.load([name for name in source.names() if name.startswith(prefix)])
+            getattr(vl, module).load_state_dict({name[len(prefix) :]: value for name, value in weights.items()})
+            for parameter in getattr(vl, module).parameters():
+                parameter.add_(TOWER_DELTA)
+    iteration_dir = Path(save) / ITERATION_DIR
+    iteration_dir.mkdir(parents=True, exist_ok=True)
+    save_torch_dist([vl], iteration_dir)
+    if is_rank0():
+        (Path(save) / TRACKER_NAME).write_text(str(ITERATION))
+    return {
+        "towers": sorted(f"model.{name}" for name, _ in vl.named_parameters() if not name.startswith("language_model."))
+    }
+
+
+@pytest.fixture(scope="module")
+def vl_layout(local_world, family, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root, hf = tmp_path_factory.mktemp("vl"), family["26b-a4b"]
+    world = local_world(2)
+    world.run(import_job, str(hf), str(root / "ours"), str(root / ".partial"), Topology())
+    report = world.run(_save_as_gemma4_vl_model, str(hf), str(root / "ours"), str(root / "vl"), Topology())[0]
+    return {**report, "save": root / "vl", "hf": hf, "root": root}
+
+
+@pytest.mark.parametrize("exported_at", [Topology(), Topology(tp=2)], ids=str)
+def test_gemma4_vl_model_layout_exports_bitwise_with_its_towers(
+    local_world, vl_layout, tmp_path: Path, exported_at: Topology
+) -> None:
+    """The language model under ``language_model.*`` exports bitwise on both export paths, and the towers
+    the checkpoint holds (changed by the run) go to the HF output in place of the source's, named, shaped
+    and typed as the source's; the report names the layout."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
+
+    save, hf = vl_layout["save"], vl_layout["hf"]
+    stored = dist_checkpointing.load_tensors_metadata(str(save / ITERATION_DIR))
+    assert any(key.startswith("language_model.decoder.") for key in stored)
+    assert any(key.startswith("vision_tower.") for key in stored), sorted(stored)[:5]
+    out = tmp_path / "hf"
+    report = local_world(2).run(export_job, str(save), str(hf), str(out), exported_at, False, 10**9)[0]
+    assert "vision-language" in report["layout"] and report["towers_carried"] == len(vl_layout["towers"]) > 0
+    source, exported = HFCheckpoint(hf), HFCheckpoint(out)
+    assert exported.names() == source.names()
+    assert exported.signatures(exported.names()) == source.signatures(source.names())
+    towers = set(vl_layout["towers"])
+    ours, theirs = exported.load(), source.load()
+    changed = [name for name in theirs if not torch.equal(ours[name], theirs[name])]
+    assert sorted(changed) == sorted(towers), sorted(set(changed) ^ towers)[:5]
+    assert all(torch.equal(ours[name], theirs[name] + TOWER_DELTA) for name in towers)
+
+
+def test_gemma4_vl_model_layout_refusals_name_the_key(local_world, vl_layout, family, capsys, tmp_path: Path) -> None:
+    """Negative controls: a tower key renamed (no place for it in ``--hf-checkpoint``) is refused before any
+    rank starts, naming the key; a language-model key renamed is refused by the ranks, naming the key the
+    model needs."""
+    from test_torch_dist import assert_refused
+
+    from vime_gemma4_bridge.runtime.world import RankError
+
+    save, hf = vl_layout["save"], vl_layout["hf"]
+    renamed = _rekeyed_copy(save, tmp_path / "tower", lambda key: key.replace("vision_tower.", "vision_tower.x", 1))
+    argv = ["export", "--load", renamed, "--hf-checkpoint", hf, "--output", tmp_path / "out"]
+    assert_refused(
+        capsys, argv, ("holds the tower tensor vision_tower.x", "has no model.vision_tower.x"), tmp_path / "out"
+    )
+
+    renamed = _rekeyed_copy(save, tmp_path / "router", lambda key: key.replace("router.scale", "router.gain"))
+    with pytest.raises(RankError, match=r"language_model\.decoder\.layers\.mlp\.router\.scale"):
+        local_world(2).run(export_job, str(renamed), str(hf), str(tmp_path / "hf2"), Topology(), False, 10**9)
+
+
+# ------------------------------------------------------------------------------------------------
+# migrate: ours <-> upstream, ours <-> vime-native, model and optimizer, bitwise
+# ------------------------------------------------------------------------------------------------
+
+
+def _items(save: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every stored item of a checkpoint (tensors and objects, PyTorch's own reader in one process) and its
+    common state (megatron-core's reader)."""
+    import io
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from vime_gemma4_bridge.io.torch_dist import TorchDistCheckpoint
+
+    where = TorchDistCheckpoint(save).iteration_dir
+    metadata = FileSystemReader(str(where)).read_metadata().state_dict_metadata
+    state: dict[str, Any] = {
+        key: io.BytesIO()
+        if isinstance(meta, BytesStorageMetadata)
+        else torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+    }
+    load(state, storage_reader=FileSystemReader(str(where)), no_dist=True)
+    for key, value in state.items():  # a byte item comes back as its bytes: the object (a writer pickles it again)
+        if isinstance(value, io.BytesIO):
+            value.seek(0)
+            state[key] = torch.load(value, weights_only=False)
+    return state, dist_checkpointing.load_common_state_dict(str(where))
+
+
+def _differences(a: Any, b: Any, where: str = "") -> list[str]:
+    """Where ``a`` and ``b`` differ: tensors bitwise (dtype and shape included), containers item by item."""
+    import numpy as np
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        return [] if same else [where]
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return [] if np.array_equal(a, b) else [where]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{where}: keys {sorted(set(a) ^ set(b), key=str)[:4]}"]
+        return [d for key in a for d in _differences(a[key], b[key], f"{where}.{key}")]
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        if len(a) != len(b):
+            return [f"{where}: length"]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _differences(x, y, f"{where}[{i}]")]
+    if hasattr(a, "__dict__") and type(a) is type(b) and not callable(a):
+        return _differences(vars(a), vars(b), where)
+    return [] if a == b else [where]
+
+
+@pytest.fixture(scope="module")
+def imported(local_world, family, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("imported")
+    local_world(2).run(import_job, str(family["26b-a4b"]), str(root / "ours"), str(root / ".partial"), Topology())
+    return root / "ours"
+
+
+@pytest.mark.parametrize("via", ["vime-native", "upstream"])
+@pytest.mark.parametrize("source", ["import", "no_dist_opt", "fully_reshardable"])
+def test_migrate_round_trips_are_bitwise(local_world, imported, trained, tmp_path: Path, source: str, via: str) -> None:
+    """ours -> ``via`` -> ours gives every stored item back bitwise — model, optimizer state (keyed by name),
+    RNG and common state — on an imported checkpoint and on Megatron-LM training checkpoints; the only
+    addition is the TE norms' states a training save lacks and ``ours`` holds. The native checkpoint has
+    one key per layer with the two pre-feed-forward norms crossed (the join on HF names)."""
+    from vime_gemma4_bridge.convert.migrate import migrate_job
+    from vime_gemma4_bridge.io.torch_dist_layout import UPSTREAM_TE_NORM_STATE
+
+    world = local_world(2)
+    save = imported if source == "import" else trained[source]["save"]
+    there, back = tmp_path / via, tmp_path / "back"
+    world.run(migrate_job, str(save), str(there), str(tmp_path / ".p1"), via, None)
+    world.run(migrate_job, str(there), str(back), str(tmp_path / ".p2"), "ours", None)
+    (before, common_before), (after, common_after) = _items(save), _items(back)
+    added = set(after) - set(before)
+    assert set(before) <= set(after) and all(UPSTREAM_TE_NORM_STATE.match(key) for key in added), sorted(added)[:4]
+    assert len(added) == (0 if source == "import" else 4 + 3 * (2 + 2) + 1)  # 4 layers, 2 of each type
+    assert [key for key in before if _differences(before[key], after[key])] == []
+    assert _differences(common_before, common_after) == []
+    if via == "vime-native":
+        _check_native(_items(there)[0], before)
+
+
+def _check_native(native: dict[str, Any], ours: dict[str, Any]) -> None:
+    """Spots of the native layout against ours (docs/INTERCHANGE.md's table; layers S, F, S, F)."""
+    import torch
+
+    assert not any(key.startswith("decoder.layers.mlp.") for key in native)
+    pairs = {
+        "decoder.layers.1.pre_mlp_layernorm.weight": ("decoder.layers.pre_shared_expert_layernorm.weight", 1),
+        "decoder.layers.1.mlp.pre_feedforward_layernorm_2.weight": ("decoder.layers.pre_mlp_layernorm.weight", 1),
+        "decoder.layers.3.mlp.router.proj.weight": ("decoder.layers.mlp.router.weight", 3),
+        "decoder.layers.1.self_attention.linear_qkv.weight": (
+            "decoder.layers.self_attention_global.linear_qkv.weight",
+            0,
+        ),
+        "decoder.layers.2.self_attention.linear_qkv.weight": (
+            "decoder.layers.self_attention_sliding.linear_qkv.weight",
+            1,
+        ),
+        "decoder.layers.2.post_attention_layernorm.weight": (
+            "decoder.layers.self_attention_sliding.linear_proj.post_layernorm.weight",
+            1,
+        ),
+        "decoder.layers.0.dense_mlp.linear_fc1.weight": ("decoder.layers.mlp.shared_experts.linear_fc1.weight", 0),
+    }
+    if "optimizer.state.exp_avg.decoder.layers.mlp.router.weight" in ours:
+        pairs["optimizer.state.exp_avg.decoder.layers.3.mlp.router.proj.weight"] = (
+            "optimizer.state.exp_avg.decoder.layers.mlp.router.weight",
+            3,
+        )
+    for key, (stacked, index) in pairs.items():
+        assert torch.equal(native[key], ours[stacked][index]), key
+    assert not torch.equal(
+        native["decoder.layers.1.pre_mlp_layernorm.weight"], ours["decoder.layers.pre_mlp_layernorm.weight"][1]
+    )
+    assert all(f"decoder.layers.{n}.post_feedforward_layernorm._extra_state/shard_0_1" in native for n in range(4))
+
+
+def test_migrate_command_and_its_refusals(local_world, imported, trained, vl_layout, family, capsys, tmp_path) -> None:
+    """``vime-gemma4 migrate`` as a user runs it (two ranks, the HF config's layer types) writes the native
+    layout; refused in one line before any rank starts, writing nothing: positional optimizer state
+    (naming the flag that saves it by name), a native key renamed (named), a vision-language checkpoint."""
+    import json
+
+    from test_torch_dist import assert_refused
+
+    from vime_gemma4_bridge.cli import main as cli
+
+    out = tmp_path / "native"
+    argv = ["migrate", "--load", str(imported), "--to", "vime-native", "--save", str(out)]
+    assert cli.main([*argv, "--hf-checkpoint", str(family["26b-a4b"]), "--nproc", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (
+        report["from"] == "ours"
+        and report["to"] == "vime-native"
+        and report["layer_types"][:2] == ["sliding", "global"]
+    )
+    assert (out / "latest_checkpointed_iteration.txt").is_file()
+
+    positional = [
+        "migrate",
+        "--load",
+        trained["dp_reshardable"]["save"],
+        "--to",
+        "vime-native",
+        "--save",
+        tmp_path / "x",
+    ]
+    assert_refused(capsys, positional, ("keyed by position", "--dist-ckpt-optim-fully-reshardable"), tmp_path / "x")
+    renamed = _rekeyed_copy(out, tmp_path / "renamed", lambda key: key.replace(".router.proj.", ".router.gate.", 1))
+    argv = ["migrate", "--load", renamed, "--to", "ours", "--save", tmp_path / "y"]
+    assert_refused(capsys, argv, ("decoder.layers.", "router.gate.weight", "native"), tmp_path / "y")
+    argv = ["migrate", "--load", vl_layout["save"], "--to", "vime-native", "--save", tmp_path / "z"]
+    assert_refused(capsys, argv, ("vision-language", "language_model.*"), tmp_path / "z")

@@ -172,6 +172,7 @@ def run_export(args: argparse.Namespace) -> int:
         # The HF checkpoint agrees with itself (the pre-flight's last check), then with the torch_dist one.
         topology, source, (checkpoint, out, max_shard_size) = preflight.command_inputs(args, output_checks)
         checkpoint.check_files()
+        checkpoint.check_layout()
         checkpoint.check_matches(source)
     except ValueError as error:
         return errors.refuse(args.prog, error)

@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         env,
         import_export,
         live,
+        migrate,
         parity,
         probe,
         rollout_check,
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_parser(sub)
     rollout_check.add_parser(sub)
     import_export.add_parsers(sub)
+    migrate.add_parser(sub)
     bench.add_parser(sub)
     env.add_parser(sub)
     for command in sub.choices.values():

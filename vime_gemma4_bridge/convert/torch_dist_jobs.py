@@ -44,6 +44,8 @@ from vime_gemma4_bridge.io.torch_dist import (
     ConversionError,
     TorchDistCheckpoint,
 )
+from vime_gemma4_bridge.io.torch_dist_layout import layout_name
+from vime_gemma4_bridge.io.torch_dist_reader import TorchDistReader
 
 __all__ = ["export_job", "import_job"]
 
@@ -227,6 +229,7 @@ def export_job(
         if rank0:
             _check_exported(exported, signature)
             hashed_before = hashing_seconds()  # the shards' digests, computed as they are written
+            towers = _carried_towers(load, iteration_dir, source)
             with phases("write", f"writing {output}{' in block FP8' if quantize else ''}"):
                 written = hf_io.write_hf_checkpoint(
                     output,
@@ -235,6 +238,7 @@ def export_job(
                     max_shard_size=max_shard_size,
                     force=force,
                     show_progress=True,
+                    carried=towers,
                     **_quantized_layout(source, quantize),
                 )
             tensor_bytes = sum(hf_io.tensor_nbytes(t) for t in exported.values())
@@ -251,6 +255,8 @@ def export_job(
                 "world_size": dist.get_world_size(),
                 "experts_streamed": path.streamed,
                 "loader": path.loader,
+                "layout": layout_name(TorchDistReader(iteration_dir).tensor_keys()),
+                "towers_carried": len(towers),
                 "tensors": len(exported),
                 "bytes": tensor_bytes,
                 "seconds": round(time.perf_counter() - start, 3),
@@ -267,6 +273,21 @@ def export_job(
                 },
             }
         return convert.broadcast_from_rank0(result)
+
+
+def _carried_towers(load: str, iteration_dir: Path, source: Any) -> dict[str, Any]:
+    """The tower tensors of a vision-language checkpoint, by HF name, read whole from its files (rank 0)."""
+    reader = TorchDistReader(iteration_dir)
+    carried = TorchDistCheckpoint(load).carried_towers(source)
+    locations = source.locations(carried.values())
+    towers = {}
+    for key, name in carried.items():
+        shape = locations[name].shape
+        zeros = (0,) * len(shape)
+        if not reader.has(key, shape, zeros, shape):
+            raise ConversionError(f"torch_dist checkpoint {load} stores the tower tensor {key} in pieces, not whole")
+        towers[name] = reader.read(key, zeros, shape)
+    return towers
 
 
 def _check_exported(exported: Mapping[str, Any], signature: Mapping[str, list]) -> None:

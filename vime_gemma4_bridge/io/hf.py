@@ -302,8 +302,12 @@ def write_hf_checkpoint(
     show_progress: bool = False,
     rewrite: Callable[[list[NamedTensor]], list[NamedTensor]] | None = None,
     config_fields: Mapping[str, Any] | None = None,
+    carried: Mapping[str, torch.Tensor | LazyTensor] | None = None,
 ) -> Path:
     """Write a complete HF checkpoint: ``language_tensors`` plus everything else copied from ``source``.
+
+    ``carried``: tensors outside the language model written in place of ``source``'s (the towers a
+    vision-language torch_dist checkpoint holds); each must be one of ``source``'s names.
 
     Tensors keep the source's order; ``show_progress`` draws a progress bar on stderr (lazy tensors
     are produced while written, so for a streaming export this is the long phase). The checkpoint
@@ -326,6 +330,9 @@ def write_hf_checkpoint(
             # Copied from the source shard as they are written, not loaded beforehand: the vision
             # tower costs no memory, whatever its size.
             other_tensors = {name: source.lazy(name) for name in source.names() if name not in expected}
+            if set(carried or ()) - set(other_tensors):
+                raise CheckpointError(f"refusing to carry tensors {sorted(set(carried) - set(other_tensors))[:3]}")
+            other_tensors.update(carried or {})
             ordered = [
                 (name, language_tensors[name] if name in expected else other_tensors[name]) for name in source.names()
             ]

@@ -52,6 +52,7 @@ from vime_gemma4_bridge.core.hf_layout import text_config_dict
 from vime_gemma4_bridge.io.torch_dist_layout import (
     EXTRA_STATE,
     NON_MODEL_KEY,
+    TOWER_KEY,
     UPSTREAM_TE_NORM_STATE,
     ConversionError,
     foreign_layout,
@@ -165,12 +166,6 @@ class TorchDistCheckpoint:
         from vime_gemma4_bridge.io.safe_pickle import check_archive, check_archives, read_checkpoint_metadata
 
         metadata = read_checkpoint_metadata(self.iteration_dir)  # refuses a .metadata that could run code
-        layout = foreign_layout(metadata.state_dict_metadata)
-        if layout is not None:
-            raise ConversionError(
-                f"torch_dist checkpoint {self.path} is in the layout of {layout}; vime-gemma4 does not read it yet "
-                "(docs/INTERCHANGE.md)"
-            )
         needed: dict[str, tuple[int, str]] = {}
         items: dict[str, list[tuple[str, int, int]]] = {}
         for index, info in metadata.storage_data.items():
@@ -184,6 +179,19 @@ class TorchDistCheckpoint:
         for archive in sorted({*self.iteration_dir.glob("*.pt"), *self.path.glob("*.pt")}):
             check_archive(archive)  # common.pt (megatron-core prefers it to common_state), train_state.pt
         self._check_run_config()
+
+    def check_layout(self) -> None:
+        """Refuse (one line, naming the layout and what to do) a layout the plugin's model does not load.
+
+        Call :meth:`check_files` first: it vets the ``.metadata`` this reads.
+        """
+        from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
+
+        layout = foreign_layout(read_checkpoint_metadata(self.iteration_dir).state_dict_metadata)
+        if layout is not None:
+            raise ConversionError(
+                f"torch_dist checkpoint {self.path} is in the layout of {layout} (docs/INTERCHANGE.md)"
+            )
 
     def _check_data_files(self, needed: Mapping[str, tuple[int, str]]) -> None:
         for relative_path, (end, key) in sorted(needed.items()):
@@ -212,10 +220,12 @@ class TorchDistCheckpoint:
         With ``vime_gemma4.json`` (written by ``import``) every language-model tensor's name, shape and
         dtype must agree; without it the architecture fields of ``run_config.yaml`` (Megatron-Bridge's
         training) are compared, else those of the ``args`` Megatron-LM's ``save_checkpoint`` keeps in the
-        common state (vime's and miles' training). Ranks check every tensor again when loading.
+        common state (vime's and miles' training). Ranks check every tensor again when loading. A
+        vision-language checkpoint's towers must each have their place in ``source`` (:meth:`carried_towers`).
         Call :meth:`check_files` first: it vets the pickles this reads.
         """
         hint = "pass the HF checkpoint it was imported or trained from (or one with the same architecture)"
+        self.carried_towers(source)
         if self.sidecar is not None:
             _check_text_config(self.sidecar.get("hf_config") or {}, source.config, self.path, source.path, hint)
             ours = self.sidecar.get("language_model") or {}
@@ -245,6 +255,36 @@ class TorchDistCheckpoint:
         args = self.training_args()
         if args is not None:
             _check_fields(args, _TRAINING_ARGS, source.config, self.path, source.path, hint)
+
+    def carried_towers(self, source: Any) -> dict[str, str]:
+        """``{torch_dist key: HF name}`` of the tower tensors a vision-language checkpoint holds (:data:`TOWER_KEY`).
+
+        They are not the language model's and go to the HF output in place of ``source``'s own (a
+        training run may have changed them), so each must be a tensor of ``source`` (``model.<key>``,
+        outside the language model) with the same shape and dtype: else one line says which.
+        """
+        from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
+
+        stored = read_checkpoint_metadata(self.iteration_dir).state_dict_metadata
+        others = set(source.names()) - set(source.language_model_names())
+        tensors = [key for key, meta in stored.items() if hasattr(meta, "size")]  # not objects
+        carried = {key: f"model.{key}" for key in tensors if TOWER_KEY.match(key)}
+        for key, name in sorted(carried.items()):
+            if name not in others:
+                raise ConversionError(
+                    f"torch_dist checkpoint {self.path} holds the tower tensor {key} and {source.path} has no {name} "
+                    "to carry it to: pass the vision-language HF checkpoint the run started from"
+                )
+        locations = source.locations(carried.values())
+        for key, name in sorted(carried.items()):
+            location, meta = locations[name], stored[key]
+            if list(location.shape) != list(meta.size) or location.dtype != meta.properties.dtype:
+                raise ConversionError(
+                    f"torch_dist checkpoint {self.path} holds {key} as {meta.properties.dtype}{list(meta.size)} and "
+                    f"{source.path} {name} as {location.dtype}{list(location.shape)}: pass the vision-language HF "
+                    "checkpoint the run started from"
+                )
+        return carried
 
     def training_args(self) -> dict[str, Any] | None:
         """The ``args`` a Megatron-LM training checkpoint's common state holds (those set), or ``None``.

@@ -15,28 +15,32 @@ from typing import Any
 NON_MODEL_KEY = re.compile(r"^(optimizer|rng_state|rerun_state_machine|common_state)|\.?optimizer\.")
 #: TE's FP8 metadata objects (``_extra_state<k>``): never weights.
 EXTRA_STATE = re.compile(r"_extra_state\d*$")
+#: What Megatron-Bridge's ``Gemma4VLModel`` (upstream, and the fork's that miles' runs save from) puts before
+#: every language-model key: it has no ``sharded_state_dict`` of its own, so megatron-core's default prefixes
+#: each child's keys with the child's name (``megatron/bridge/models/gemma_vl/modeling_gemma4_vl.py`` L156-179).
+LANGUAGE_MODEL_KEY_PREFIX = "language_model."
+#: That model's HF towers and embedders: saved per parameter, replicated and whole, under the module's name
+#: (megatron-core ``sharded_state_dict_default``); the HF checkpoint holds each under ``model.<key>``.
+TOWER_KEY = re.compile(r"^(vision_tower|embed_vision|audio_tower|embed_audio)\.")
 #: Keys the plugin itself once wrote -> the key the model asks for now. Before 2026-12 a CPU host stored the
 #: routed experts' pre-norm under megatron-core's local-spec key (core/spec.py ``te_keys_map``); the TE
 #: model, and upstream Megatron-Bridge's, always used ``pre_mlp_layernorm.weight``.
 FORMER_KEYS = {"decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight"}
 
 
-#: Layouts other Gemma 4 code writes that the plugin does not read (yet): a test on a model key -> the layout's
-#: name and what it lacks (docs/INTERCHANGE.md has the derivations).
+#: Layouts other Gemma 4 code writes that the plugin's model does not load: a test on a model key -> the layout's
+#: name, what differs and what to do (docs/INTERCHANGE.md has the derivations).
 FOREIGN_LAYOUTS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (
-        re.compile(r"^language_model\."),
-        "Megatron-Bridge's Gemma4VLModel (upstream, or miles' runs on its fork): the text model is under "
-        "language_model.*, not at the top level (decoder.*, embedding.*)",
-    ),
     (
         re.compile(r"^decoder\.layers\.\d+\."),
         "one key per layer (vime's or slime's native Gemma 4, or upstream Megatron-Bridge's E2B): "
-        "decoder.layers.<i>.* with no layer axis, not the stacked decoder.layers.*",
+        "decoder.layers.<i>.* with no layer axis, not the stacked decoder.layers.*; a native MoE checkpoint: "
+        "rewrite it first with vime-gemma4 migrate --load DIR --to ours --save OUT",
     ),
     (
         re.compile(r"\.post_self_attn_layernorm\.|\.post_mlp_layernorm\."),
-        "upstream Megatron-Bridge's dense Gemma 4 (its own norm names: post_self_attn_layernorm, post_mlp_layernorm)",
+        "upstream Megatron-Bridge's dense Gemma 4 (its own norm names: post_self_attn_layernorm, post_mlp_layernorm); "
+        "vime-gemma4 does not read it yet",
     ),
 )
 
@@ -45,7 +49,7 @@ FOREIGN_LAYOUTS: tuple[tuple[re.Pattern[str], str], ...] = (
 #: ``linear_proj.post_layernorm``, ``pre_mlp_layernorm``, the final norm; docs/INTERCHANGE.md): a TE
 #: RMSNorm, whose state carries an ``_extra_state`` (empty without FP8) that its default-strict load asks for.
 UPSTREAM_TE_NORM = (
-    r"^decoder\.(final_layernorm|layers\.pre_mlp_layernorm"
+    r"^(language_model\.)?decoder\.(final_layernorm|layers\.pre_mlp_layernorm"
     r"|layers\.self_attention_\w+\.(q_layernorm|k_layernorm|linear_proj\.post_layernorm))\."
 )
 UPSTREAM_TE_NORM_WEIGHT = re.compile(UPSTREAM_TE_NORM + "weight$")
@@ -88,6 +92,15 @@ def foreign_layout(keys: Iterable[str]) -> str | None:
     return None
 
 
+def layout_name(keys: Iterable[str]) -> str:
+    """Which layout a readable checkpoint's keys are in, for the report."""
+    keys = list(keys)
+    if any(key.startswith(LANGUAGE_MODEL_KEY_PREFIX) for key in keys):
+        towers = sum(1 for key in keys if TOWER_KEY.match(key))
+        return f"vision-language (Megatron-Bridge's Gemma4VLModel: language_model.*, {towers} tower tensors)"
+    return "language model at the top level (the plugin's; upstream Megatron-Bridge's Gemma 4 MoE)"
+
+
 class ConversionError(ValueError):
     """A conversion cannot proceed (one line: what is wrong and what to do)."""
 
@@ -95,9 +108,11 @@ class ConversionError(ValueError):
 def refuse_unused_keys(keys: Iterable[str]) -> None:
     """Raise :class:`ConversionError` if any of these torch_dist keys is a model weight nothing loaded.
 
-    Optimizer, RNG and common state (training checkpoints) and TE's ``_extra_state`` are not weights.
+    Optimizer, RNG and common state (training checkpoints) and TE's ``_extra_state`` are not weights; a
+    vision-language checkpoint's towers are carried to the HF output beside the model (:data:`TOWER_KEY`).
     """
-    unused = sorted(key for key in keys if not NON_MODEL_KEY.search(key) and not EXTRA_STATE.search(key))
+    not_weights = (NON_MODEL_KEY.search, EXTRA_STATE.search, TOWER_KEY.match)
+    unused = sorted(key for key in keys if not any(test(key) for test in not_weights))
     if unused:
         raise ConversionError(
             f"torch_dist checkpoint holds {len(unused)} tensor(s) this model lacks (e.g. {unused[0]}): "
@@ -108,8 +123,9 @@ def refuse_unused_keys(keys: Iterable[str]) -> None:
 def sharded_state_dict(model: list, stored: Collection[str] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
     """``{"model": ...}`` (or ``model0``, ``model1``... with VPP) as Megatron saves it, and its metadata.
 
-    ``stored``: the keys of a checkpoint to read; where it holds a former key (:data:`FORMER_KEYS`) in
-    place of the current one, the item asks for the former key.
+    ``stored``: the keys of a checkpoint to read; each item asks for its key as that checkpoint names it:
+    under :data:`LANGUAGE_MODEL_KEY_PREFIX` in a vision-language checkpoint, and the former key
+    (:data:`FORMER_KEYS`) where the checkpoint holds it in place of the current one.
     """
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -125,9 +141,10 @@ def sharded_state_dict(model: list, stored: Collection[str] = ()) -> tuple[dict[
         state = {"model": model[0].sharded_state_dict(metadata=metadata)}
     else:
         state = {f"model{i}": chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(model)}
-    former = {new: old for old, new in FORMER_KEYS.items() if old in stored and new not in stored}
-    if former:
+    prefix = LANGUAGE_MODEL_KEY_PREFIX if any(key.startswith(LANGUAGE_MODEL_KEY_PREFIX) for key in stored) else ""
+    former = {new: old for old, new in FORMER_KEYS.items() if prefix + old in stored and prefix + new not in stored}
+    if former or prefix:
         for item in nested_values(state):
-            if getattr(item, "key", None) in former:
-                item.key = former[item.key]
+            if hasattr(item, "key"):
+                item.key = prefix + former.get(item.key, item.key)
     return state, metadata
