@@ -718,10 +718,10 @@ def _check_native(native: dict[str, Any], ours: dict[str, Any]) -> None:
     assert all(f"decoder.layers.{n}.post_feedforward_layernorm._extra_state/shard_0_1" in native for n in range(4))
 
 
-def test_migrate_command_and_its_refusals(local_world, imported, trained, vl_layout, family, capsys, tmp_path) -> None:
+def test_migrate_command_and_its_refusals(local_world, imported, trained, family, capsys, tmp_path) -> None:
     """``vime-gemma4 migrate`` as a user runs it (two ranks, the HF config's layer types) writes the native
     layout; refused in one line before any rank starts, writing nothing: positional optimizer state
-    (naming the flag that saves it by name), a native key renamed (named), a vision-language checkpoint."""
+    (naming the flag that saves it by name), a native key renamed (named)."""
     import json
 
     from test_torch_dist import assert_refused
@@ -752,5 +752,57 @@ def test_migrate_command_and_its_refusals(local_world, imported, trained, vl_lay
     renamed = _rekeyed_copy(out, tmp_path / "renamed", lambda key: key.replace(".router.proj.", ".router.gate.", 1))
     argv = ["migrate", "--load", renamed, "--to", "ours", "--save", tmp_path / "y"]
     assert_refused(capsys, argv, ("decoder.layers.", "router.gate.weight", "native"), tmp_path / "y")
-    argv = ["migrate", "--load", vl_layout["save"], "--to", "vime-native", "--save", tmp_path / "z"]
-    assert_refused(capsys, argv, ("vision-language", "language_model.*"), tmp_path / "z")
+
+
+def test_migrate_reads_the_vision_language_layout(local_world, vl_layout, tmp_path: Path) -> None:
+    """``migrate --to ours`` of the checkpoint Megatron-Bridge's ``Gemma4VLModel`` wrote drops ``language_model.``
+    (the plugin's model is a text model; the towers stay under their own keys), and ``export`` of the result
+    equals the export of the original: the language model bitwise, the towers the run changed carried."""
+    import torch
+
+    from vime_gemma4_bridge.convert.migrate import migrate_job
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
+
+    world, hf = local_world(2), vl_layout["hf"]
+    text = tmp_path / "text"
+    report = world.run(migrate_job, str(vl_layout["save"]), str(text), str(tmp_path / ".p"), "ours", None)[0]
+    assert "vision-language" in report["from"]
+    keys = set(_items(text)[0])
+    assert not any(key.startswith("language_model.") for key in keys) and any(
+        key.startswith("vision_tower.") for key in keys
+    )
+    outputs = {}
+    for name, save in (("vl", vl_layout["save"]), ("text", text)):
+        outputs[name] = tmp_path / f"hf-{name}"
+        world.run(export_job, str(save), str(hf), str(outputs[name]), Topology(), False, 10**9)
+    a, b = HFCheckpoint(outputs["vl"]).load(), HFCheckpoint(outputs["text"]).load()
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    assert sum(not torch.equal(a[name], value) for name, value in HFCheckpoint(hf).load().items()) == len(
+        vl_layout["towers"]
+    )
+
+
+def test_miles_refuses_a_load_the_plugins_model_cannot_read(local_world, imported, vl_layout, tmp_path: Path) -> None:
+    """miles' hook refuses ``--load`` of vime's native layout and of the vision-language layout in one line
+    naming the layout and ``migrate``, before the model is built (megatron-core would fail inside its load);
+    the plugin's own layout passes, and a ``--load`` that holds no checkpoint yet is miles' to handle."""
+    from argparse import Namespace
+
+    from vime_gemma4_bridge.compat import seams
+    from vime_gemma4_bridge.convert.migrate import migrate_job
+    from vime_gemma4_bridge.convert.miles import launch_problems
+
+    native = tmp_path / "native"
+    local_world(2).run(migrate_job, str(imported), str(native), str(tmp_path / ".p"), "vime-native", None)
+
+    def problems(load: Path) -> list[str]:
+        args = Namespace(
+            hf_checkpoint=str(vl_layout["hf"]), load=str(load), colocate=True, megatron_to_hf_mode="bridge"
+        )
+        return launch_problems(args, export_tuple=seams.THIRD_FIELD)
+
+    assert problems(imported) == [] and problems(tmp_path / "empty") == []
+    (line,) = problems(native)
+    assert "one key per layer" in line and "migrate" in line and "\n" not in line
+    (line,) = problems(vl_layout["save"])
+    assert "Gemma4VLModel" in line and f"migrate --load {vl_layout['save']} --to ours" in line

@@ -7,6 +7,7 @@ are in tests/test_live.py, beside the live export they share a world with.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -406,3 +407,29 @@ def test_live_sync_in_the_rollout_checkpoints_fp8_keeps_tuples_and_names_what_st
         "Gemma 4 live sync in the rollout checkpoint's block FP8: 1 weight(s) in FP8; 2-D weights as trained, "
         "as it stores them: model.language_model.layers.<n>.router.proj.weight"
     ]
+
+
+def test_rollout_check_scores_completions_of_unequal_length(hf_vl: Path) -> None:
+    """A server that stops one completion early (issue 49: ``torch.tensor`` of ragged lists raised) is scored
+    token by token on what it served; a completion with no token is a ServerError naming the prompt."""
+    from unittest import mock
+
+    from vime_gemma4_bridge.verify import rollout
+
+    lengths = iter([1, 3, 2])  # the vocabulary probe, then one completion per prompt
+
+    def complete(server, model, prompt, max_tokens, vocab_size, sglang=False):
+        return [(7, -1.0)] * next(lengths)
+
+    patches = (
+        mock.patch.object(rollout, "served_model", lambda server, model: "m"),
+        mock.patch.object(rollout, "is_sglang", lambda server: False),
+        mock.patch.object(rollout, "complete", complete),
+    )
+    with patches[0], patches[1], patches[2]:
+        check = rollout.rollout_check(str(hf_vl), "http://stub", prompts=2, prompt_len=4, max_tokens=3)
+        assert check.first_divergence is not None and check.first_divergence["prompt"] == 0
+        assert math.isfinite(check.max_abs) and check.max_abs > 0
+        lengths = iter([1, 3, 0])
+        with pytest.raises(rollout.ServerError, match="no token for prompt 1"):
+            rollout.rollout_check(str(hf_vl), "http://stub", prompts=2, prompt_len=4, max_tokens=3)

@@ -36,7 +36,7 @@ from vime_gemma4_bridge.io.torch_dist import (
     TRACKER_NAME,
     TorchDistCheckpoint,
 )
-from vime_gemma4_bridge.io.torch_dist_layout import ConversionError
+from vime_gemma4_bridge.io.torch_dist_layout import LANGUAGE_MODEL_KEY_PREFIX, ConversionError
 
 LAYOUTS = ("ours", "upstream", "vime-native")
 
@@ -113,7 +113,8 @@ TE_NORMS = {
 }
 FINAL_NORM = "decoder.final_layernorm."
 COMMON_STATE = "common_state"  # megatron-core dist_checkpointing/serialization.py L439: the common state as an object
-MODEL_KEY = re.compile(r"(decoder|embedding|output_layer)\.")
+#: Where the language model's key starts in a stored key (after an optimizer-state or ``language_model.`` prefix).
+MODEL_KEY = re.compile(r"(?:^|(?<=\.))(decoder|embedding|output_layer)\.")
 NATIVE_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 ATTENTION = re.compile(r"^decoder\.layers\.self_attention_(sliding|global)\.(.*)$")
 OBJECT_SHARD = re.compile(r"^(.*)/shard_([\d.]+)_([\d.]+)$")
@@ -168,17 +169,14 @@ class Plan:
                 "checkpoint saved with --dist-ckpt-optim-fully-reshardable (keyed by name), or one saved with "
                 "--no-save-optim"
             )
-        if any(key.startswith("language_model.") for key in stored):
-            raise ConversionError(
-                f"torch_dist checkpoint {checkpoint.path} is a vision-language checkpoint (language_model.*): "
-                "migrate reads the text layouts only; export reads it as it is"
-            )
-        self.source = "vime-native" if any(NATIVE_LAYER.match(key) for key in stored) else "ours"
         tensors = {key: meta for key, meta in stored.items() if isinstance(meta, TensorStorageMetadata)}
         objects = [key for key in stored if key not in tensors]
-        self.types = self._layer_types(tensors, layer_types)
+        model = {split[1]: meta for key, meta in tensors.items() if (split := _split(key)) and not split[0]}
+        self.source = "vime-native" if any(NATIVE_LAYER.match(key) for key in model) else "ours"
+        self.vision_language = any(key.startswith(LANGUAGE_MODEL_KEY_PREFIX) for key in stored)
+        self.types = self._layer_types(model, layer_types)
         self.index = {kind: [n for n, t in enumerate(self.types) if t == kind] for kind in ("sliding", "global")}
-        if not any("mlp.router.scale" in key for key in tensors):
+        if not any(key.endswith("mlp.router.scale") for key in model):
             raise ConversionError(
                 f"torch_dist checkpoint {checkpoint.path} holds a dense Gemma 4: migrate moves the MoE model "
                 "(26B-A4B) only (docs/INTERCHANGE.md)"
@@ -286,10 +284,10 @@ class Plan:
         return prefix + key, stack
 
     def _tensor_units(self, key: str, size: tuple[int, ...], dtype: Any) -> list[Unit]:
-        match = MODEL_KEY.search(key)
-        if match is None or (key[: match.start()] and "optimizer.state." not in key[: match.start()]):
-            return [Unit(key, key, None, None, size, dtype)]  # not the model's: copied as it is
-        prefix, model_key = key[: match.start()], key[match.start() :]
+        split = _split(key)
+        if split is None:
+            return [Unit(key, key, None, None, size, dtype)]  # not the language model's: copied as it is
+        prefix, model_key = split
         units = []
         for n, attention, path, stack in self._ours(model_key):
             target, target_stack = self._target(prefix, model_key, n, attention, path)
@@ -306,9 +304,10 @@ class Plan:
             return []  # megatron-core stores the common state itself, beside common.pt
         offset = tuple(int(x) for x in match.group(2).split("."))
         shape = tuple(int(x) for x in match.group(3).split("."))
-        if MODEL_KEY.match(key) is None or not key.endswith("._extra_state"):
+        split = _split(key)
+        if split is None or split[0] or not key.endswith("._extra_state"):
             return [Unit(key, key, None, None, object_at=(offset, shape))]  # RNG, ...: copied as it is
-        module = key.removesuffix("_extra_state")
+        module = split[1].removesuffix("_extra_state")
         units = []
         for n, attention, path, stack in self._ours(module + "weight"):
             if stack is not None and offset[0] != stack[0]:
@@ -344,6 +343,19 @@ class Plan:
             if (target, stack) not in covered:
                 created.append(Unit("", target, None, stack, object_at=((), ()), layer=n))
         return created
+
+
+def _split(key: str) -> tuple[str, str] | None:
+    """``(prefix kept in the target, language-model key)`` of a stored key, or ``None`` when the key is not the
+    language model's (RNG, a tower). An optimizer-state prefix is kept; ``language_model.`` (the
+    vision-language model's) is dropped: every target is a text layout, the towers stay as they are."""
+    match = MODEL_KEY.search(key)
+    if match is None:
+        return None
+    prefix = key[: match.start()].replace(LANGUAGE_MODEL_KEY_PREFIX, "")
+    if prefix and "optimizer.state." not in prefix:
+        return None
+    return prefix, key[match.start() :]
 
 
 def _axes(offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -441,7 +453,8 @@ def migrate_job(load: str, save: str, partial: str, to: str, layer_types: list[s
                 "command": "migrate",
                 "ok": True,
                 "load": str(checkpoint.iteration_dir),
-                "from": plan.source,
+                "from": plan.source
+                + (" (vision-language: language_model.*, towers kept)" if plan.vision_language else ""),
                 "to": to,
                 "save": str(out / checkpoint.iteration_dir.name),
                 "layer_types": plan.types,

@@ -21,7 +21,8 @@ Why each refusal (all @31f1ca96):
   the bridge iterator serves those paths for LoRA only, so a LoRA run (base never pushed) passes.
 - a Megatron-Bridge whose export yields two fields: ``hf_weight_iterator_bridge.py`` L73 unpacks
   three (``ValueError: not enough values to unpack``): miles' image installs radixark's fork.
-- ``--load`` with upstream Megatron-Bridge's positional (``dp_reshardable``) optimizer state: its
+- ``--load`` in a layout the plugin's model does not load (vime's native, the VL model's: ``migrate``
+  rewrites them), or with upstream Megatron-Bridge's positional (``dp_reshardable``) optimizer state: its
   parameter order is not the plugin's (:meth:`TorchDistCheckpoint.optimizer_order_hazard`).
 - FP8 rollouts with stacked experts: ``quantizer_fp8.py`` L115 asserts every quantized HF name ends
   in ``.weight``; stacked experts are ``experts.gate_up_proj`` / ``experts.down_proj``.
@@ -85,6 +86,29 @@ def _optimizer_order_hazard(args: Any) -> str | None:
         return None
 
 
+def _load_layout_problem(args: Any) -> str | None:
+    """``--load`` holds a layout the plugin's model does not load in training (megatron-core would fail
+    inside its load with missing keys): one line naming the layout and the ``migrate`` that rewrites it."""
+    load = getattr(args, "load", None)
+    if not load:
+        return None
+    try:
+        checkpoint = TorchDistCheckpoint(load)
+    except ConversionError:
+        return None  # no checkpoint there yet (a first run's --load), or not torch_dist: miles reports it
+    try:
+        checkpoint.check_layout()
+    except ConversionError as error:
+        return f"--load: {error}"
+    if checkpoint.vision_language():
+        return (
+            f"--load {load} is in the layout of Megatron-Bridge's Gemma4VLModel (language_model.*), which the plugin's "
+            f"text model does not load: rewrite it with vime-gemma4 migrate --load {load} --to ours --save OUT and "
+            "--load OUT"
+        )
+    return None
+
+
 def launch_problems(args: Any, export_tuple: str | None = None) -> list[str]:
     """Every reason miles cannot run this launch with Gemma 4, each one line naming what to use; [] if none.
 
@@ -113,8 +137,11 @@ def launch_problems(args: Any, export_tuple: str | None = None) -> list[str]:
                 "miles' bridge weight sync unpacks (hf_name, tensor, megatron_name) and this Megatron-Bridge "
                 "yields two fields: install radixark's Megatron-Bridge fork, as miles' image does"
             )
+    layout = _load_layout_problem(args)
+    if layout:
+        problems.append(layout)
     hazard = _optimizer_order_hazard(args)
-    if hazard:
+    if hazard and not layout:
         problems.append(hazard)
     quantization = (config.get("quantization_config") or {}).get("quant_method")
     layout = os.environ.get(EXPERT_LAYOUT_ENV, STACKED)

@@ -51,6 +51,7 @@ from vime_gemma4_bridge.compat.write_results import in_process_write_results
 from vime_gemma4_bridge.core.hf_layout import text_config_dict
 from vime_gemma4_bridge.io.torch_dist_layout import (
     EXTRA_STATE,
+    LANGUAGE_MODEL_KEY_PREFIX,
     NON_MODEL_KEY,
     TOWER_KEY,
     UPSTREAM_TE_NORM_STATE,
@@ -192,6 +193,13 @@ class TorchDistCheckpoint:
             raise ConversionError(
                 f"torch_dist checkpoint {self.path} is in the layout of {layout} (docs/INTERCHANGE.md)"
             )
+
+    def vision_language(self) -> bool:
+        """Whether the checkpoint is in the layout of Megatron-Bridge's ``Gemma4VLModel`` (``language_model.*``)."""
+        from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
+
+        stored = read_checkpoint_metadata(self.iteration_dir).state_dict_metadata
+        return any(key.startswith(LANGUAGE_MODEL_KEY_PREFIX) for key in stored)
 
     def _check_data_files(self, needed: Mapping[str, tuple[int, str]]) -> None:
         for relative_path, (end, key) in sorted(needed.items()):

@@ -176,7 +176,14 @@ def rollout_check(
     ids = fixed_token_ids(vocab_size, prompts, prompt_len, excluded_token_ids(config))
     check = RolloutCheck(server=server, model=name, prompts=prompts, tokens=max_tokens, tolerance=bound)
     served = [complete(server, name, prompt, max_tokens, vocab_size, sglang) for prompt in ids.tolist()]
-    sequences = torch.cat([ids, torch.tensor([[token for token, _ in tokens] for tokens in served])], dim=1)
+    empty = [index for index, tokens in enumerate(served) if not tokens]
+    if empty:
+        raise ServerError(f"{server} generated no token for prompt {empty[0]} (asked for {max_tokens})")
+    # A server may stop some completions early (its context length): pad after the served tokens, which
+    # leaves the logits of every served position as they are (causal attention), and score only those.
+    longest = max(len(tokens) for tokens in served)
+    continued = [[token for token, _ in tokens] + [0] * (longest - len(tokens)) for tokens in served]
+    sequences = torch.cat([ids, torch.tensor(continued, dtype=ids.dtype)], dim=1)
     logits = hf_logits(hf_checkpoint, sequences, getattr(torch, dtype)).float()  # one forward, every prompt
     logprobs = torch.log_softmax(logits[:, prompt_len - 1 : -1, :vocab_size], dim=-1)
     for index, tokens in enumerate(served):
