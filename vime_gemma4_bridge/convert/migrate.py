@@ -32,11 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from vime_gemma4_bridge.io.torch_dist import (
-    NAME_KEYED_OPTIMIZER,
     TRACKER_NAME,
     TorchDistCheckpoint,
 )
-from vime_gemma4_bridge.io.torch_dist_layout import LANGUAGE_MODEL_KEY_PREFIX, ConversionError
+from vime_gemma4_bridge.io.torch_dist_layout import LANGUAGE_MODEL_KEY_PREFIX, ConversionError, is_vision_language
 
 LAYOUTS = ("ours", "upstream", "vime-native")
 
@@ -149,7 +148,6 @@ class Plan:
     """Every unit of a source checkpoint for one target layout (no tensor data read)."""
 
     def __init__(self, checkpoint: TorchDistCheckpoint, to: str, layer_types: list[str] | None) -> None:
-        from megatron.core import dist_checkpointing
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
@@ -158,22 +156,19 @@ class Plan:
             raise ConversionError(f"--to {to!r}: choose one of {', '.join(LAYOUTS)}")
         self.checkpoint, self.to, self.given = checkpoint, to, layer_types
         stored = read_checkpoint_metadata(checkpoint.iteration_dir).state_dict_metadata
-        self.common = dist_checkpointing.load_common_state_dict(str(checkpoint.iteration_dir))
-        sharding = (self.common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
-        if any(".optimizer.distributed." in f".{key}" for key in stored) or (
-            sharding and sharding not in NAME_KEYED_OPTIMIZER
-        ):
+        self.common = checkpoint.common_state()
+        sharding = checkpoint.positional_optimizer()
+        if sharding:
             raise ConversionError(
-                f"torch_dist checkpoint {checkpoint.path} holds distributed-optimizer state in the "
-                f"{sharding or 'dp_reshardable'} format, keyed by position, which no key map can move: migrate a "
-                "checkpoint saved with --dist-ckpt-optim-fully-reshardable (keyed by name), or one saved with "
-                "--no-save-optim"
+                f"torch_dist checkpoint {checkpoint.path} holds distributed-optimizer state in the {sharding} "
+                "format, keyed by position, which no key map can move: migrate a checkpoint saved with "
+                "--dist-ckpt-optim-fully-reshardable (keyed by name), or one saved with --no-save-optim"
             )
         tensors = {key: meta for key, meta in stored.items() if isinstance(meta, TensorStorageMetadata)}
         objects = [key for key in stored if key not in tensors]
         model = {split[1]: meta for key, meta in tensors.items() if (split := _split(key)) and not split[0]}
         self.source = "vime-native" if any(NATIVE_LAYER.match(key) for key in model) else "ours"
-        self.vision_language = any(key.startswith(LANGUAGE_MODEL_KEY_PREFIX) for key in stored)
+        self.vision_language = is_vision_language(stored)
         self.types = self._layer_types(model, layer_types)
         self.index = {kind: [n for n, t in enumerate(self.types) if t == kind] for kind in ("sliding", "global")}
         if not any(key.endswith("mlp.router.scale") for key in model):

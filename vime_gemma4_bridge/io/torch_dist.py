@@ -51,12 +51,12 @@ from vime_gemma4_bridge.compat.write_results import in_process_write_results
 from vime_gemma4_bridge.core.hf_layout import text_config_dict
 from vime_gemma4_bridge.io.torch_dist_layout import (
     EXTRA_STATE,
-    LANGUAGE_MODEL_KEY_PREFIX,
     NON_MODEL_KEY,
     TOWER_KEY,
     UPSTREAM_TE_NORM_STATE,
     ConversionError,
     foreign_layout,
+    is_vision_language,
     refuse_unused_keys,
     sharded_state_dict,
     upstream_te_norm_states,
@@ -198,8 +198,7 @@ class TorchDistCheckpoint:
         """Whether the checkpoint is in the layout of Megatron-Bridge's ``Gemma4VLModel`` (``language_model.*``)."""
         from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
 
-        stored = read_checkpoint_metadata(self.iteration_dir).state_dict_metadata
-        return any(key.startswith(LANGUAGE_MODEL_KEY_PREFIX) for key in stored)
+        return is_vision_language(read_checkpoint_metadata(self.iteration_dir).state_dict_metadata)
 
     def _check_data_files(self, needed: Mapping[str, tuple[int, str]]) -> None:
         for relative_path, (end, key) in sorted(needed.items()):
@@ -294,48 +293,52 @@ class TorchDistCheckpoint:
                 )
         return carried
 
-    def training_args(self) -> dict[str, Any] | None:
-        """The ``args`` a Megatron-LM training checkpoint's common state holds (those set), or ``None``.
-
-        Read by megatron-core's own ``load_common_state_dict`` (one process, no ranks), as Megatron-LM's
-        ``load_checkpoint`` reads it; ``import`` writes no args.
-        """
+    def common_state(self) -> dict[str, Any]:
+        """The common state (args, iteration, content metadata), as Megatron-LM's ``load_checkpoint`` reads it."""
         from megatron.core import dist_checkpointing
 
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
             warnings.simplefilter("ignore", UserWarning)
-            args = dist_checkpointing.load_common_state_dict(str(self.iteration_dir)).get("args")
+            return dist_checkpointing.load_common_state_dict(str(self.iteration_dir))
+
+    def training_args(self) -> dict[str, Any] | None:
+        """The ``args`` of a Megatron-LM training checkpoint (those set); ``None`` after ``import``."""
+        args = self.common_state().get("args")
         return None if args is None else {name: value for name, value in vars(args).items() if value is not None}
 
-    def optimizer_order_hazard(self) -> str | None:
-        """Why resuming this checkpoint's optimizer state into the plugin's model would misplace it, or ``None``.
+    def positional_optimizer(self) -> str | None:
+        """The format of the distributed-optimizer state held keyed by position (``dp_reshardable``, Megatron-LM's
+        default; ``dp_zero_gather_scatter`` without content metadata), or ``None`` (name-keyed or none: Megatron-LM
+        ``training/checkpointing.py`` L2219-2245 tells them apart so)."""
+        from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
 
-        megatron-core's distributed optimizer keys its ``dp_reshardable`` state (Megatron-LM's default,
-        and the legacy ``dp_zero_gather_scatter``) by position in its flat buffers, not by name
-        (Megatron-LM ``training/checkpointing.py`` L2219-2245 refuses such state for a hybrid model
-        likewise). Upstream Megatron-Bridge's Gemma 4 registers the router's ``per_expert_scale`` before
-        ``scale`` and the layer's ``pre_shared_expert_layernorm`` before ``post_ffn_layernorm``
-        (docs/INTERCHANGE.md): the buckets have the same size, so its state would load without error with
-        Adam's moments on the wrong tensors. Its model writes the TE norms' ``_extra_state`` objects, which
-        the plugin's model never does (only ``import`` adds them, with no optimizer state): that marks the
-        writer. Name-keyed forms (no distributed optimizer, ``fully_reshardable``) resume correctly.
-        """
-        from megatron.core import dist_checkpointing
-        from torch.distributed.checkpoint import FileSystemReader
-
-        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
-            warnings.simplefilter("ignore", UserWarning)
-            common = dist_checkpointing.load_common_state_dict(str(self.iteration_dir))
+        common = self.common_state()
         sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
-        if not getattr(common.get("args"), "use_distributed_optimizer", False) or sharding in NAME_KEYED_OPTIMIZER:
+        if sharding in NAME_KEYED_OPTIMIZER:
             return None
-        stored = FileSystemReader(str(self.iteration_dir)).read_metadata().state_dict_metadata
-        if not any(NON_MODEL_KEY.search(key) and "optimizer" in key for key in stored):
+        stored = read_checkpoint_metadata(self.iteration_dir).state_dict_metadata
+        distributed = getattr(common.get("args"), "use_distributed_optimizer", False) or any(
+            ".optimizer.distributed." in f".{key}" for key in stored
+        )
+        has_state = any(NON_MODEL_KEY.search(key) and "optimizer" in key for key in stored)
+        return (sharding or "dp_zero_gather_scatter") if distributed and has_state else None
+
+    def optimizer_order_hazard(self) -> str | None:
+        """Why resuming this checkpoint's optimizer state into the plugin's model would misplace it, or ``None``:
+        upstream Megatron-Bridge's Gemma 4 orders the router's scales and the post-FFN / pre-shared-expert
+        norms otherwise (docs/INTERCHANGE.md), so its positional state would load with Adam's moments on the
+        wrong tensors. Its TE norms' ``_extra_state`` objects mark the writer: the plugin's model writes none.
+        """
+        from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
+
+        sharding = self.positional_optimizer()
+        if sharding is None:
             return None
+        stored = read_checkpoint_metadata(self.iteration_dir).state_dict_metadata
         if not any(UPSTREAM_TE_NORM_STATE.match(key) for key in stored):
             return None  # written by the plugin's own model: its parameter order
         return (
-            f"{self.path} holds distributed-optimizer state in the {sharding or 'dp_zero_gather_scatter'} format, "
+            f"{self.path} holds distributed-optimizer state in the {sharding} format, "
             "keyed by parameter position, written by upstream Megatron-Bridge's Gemma 4, which orders the router's "
             "scales and the post-FFN / pre-shared-expert norms otherwise than this model: resuming would put "
             "Adam's moments on the wrong tensors. Resume with --no-load-optim, or re-save it with "

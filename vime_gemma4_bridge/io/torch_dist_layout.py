@@ -92,10 +92,15 @@ def foreign_layout(keys: Iterable[str]) -> str | None:
     return None
 
 
+def is_vision_language(keys: Iterable[str]) -> bool:
+    """Whether these torch_dist keys are in the layout of Megatron-Bridge's ``Gemma4VLModel``."""
+    return any(key.startswith(LANGUAGE_MODEL_KEY_PREFIX) for key in keys)
+
+
 def layout_name(keys: Iterable[str]) -> str:
     """Which layout a readable checkpoint's keys are in, for the report."""
     keys = list(keys)
-    if any(key.startswith(LANGUAGE_MODEL_KEY_PREFIX) for key in keys):
+    if is_vision_language(keys):
         towers = sum(1 for key in keys if TOWER_KEY.match(key))
         return f"vision-language (Megatron-Bridge's Gemma4VLModel: language_model.*, {towers} tower tensors)"
     return "language model at the top level (the plugin's; upstream Megatron-Bridge's Gemma 4 MoE)"
