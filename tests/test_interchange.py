@@ -278,6 +278,68 @@ def test_a_layout_the_plugin_cannot_read_is_refused_by_name(
     assert cli.main(argv) == 0  # the same tensors under our keys: exported
 
 
+def _save_as_upstream_dense(hf_checkpoint: str, save: str) -> dict[str, Any]:
+    """A checkpoint written by upstream Megatron-Bridge's own dense Gemma 4 (the installed release's
+    ``Gemma4Bridge`` and ``Gemma4DenseProvider``, gemma4_bridge.py L207-255, gemma4_provider.py L125-265,
+    its local spec modeling_gemma4.py L744-776, all built on this CPU host), loaded from ``hf_checkpoint``
+    by that bridge and saved by megatron-core. One piece is stood in: ``Gemma4DenseRotaryEmbedding``,
+    which ``build`` constructs without ``use_cpu_initialization`` (megatron-core's ``RotaryEmbedding``
+    then asks CUDA for a device); it holds no state, so the checkpoint is what that code writes."""
+    from megatron.bridge.models.gemma import gemma4_provider
+    from megatron.bridge.models.gemma.gemma4_bridge import Gemma4Bridge
+    from megatron.bridge.models.hf_pretrained.causal_lm import PreTrainedCausalLM
+
+    from vime_gemma4_bridge.convert.model import is_rank0
+    from vime_gemma4_bridge.convert.topology import init_model_parallel
+    from vime_gemma4_bridge.io.torch_dist import ITERATION, TRACKER_NAME, save_torch_dist
+
+    init_model_parallel(Topology(), keep_if_same=True)
+    hf, bridge = PreTrainedCausalLM.from_pretrained(hf_checkpoint), Gemma4Bridge()
+    provider = bridge.provider_bridge(hf)
+    provider.use_cpu_initialization, provider.perform_initialization = True, False
+    provider.finalize()
+    stand_in = mock.patch.object(gemma4_provider, "Gemma4DenseRotaryEmbedding", lambda config: None)
+    with stand_in:
+        model = provider.provide()
+    bridge.load_weights_hf_to_megatron(hf, [model])
+    iteration_dir = Path(save) / ITERATION_DIR
+    iteration_dir.mkdir(parents=True)
+    save_torch_dist([model], iteration_dir)
+    if is_rank0():
+        (Path(save) / TRACKER_NAME).write_text(str(ITERATION))
+    return {"class": type(provider).__name__}
+
+
+@pytest.mark.parametrize("member", ["31b", "e4b", "e2b"])
+def test_upstream_dense_checkpoint_its_own_code_wrote_is_refused_by_name(
+    local_world, capsys, tmp_path: Path, member: str
+) -> None:
+    """A checkpoint upstream Megatron-Bridge's own dense Gemma 4 wrote (:func:`_save_as_upstream_dense`)
+    is refused in one line naming that layout, before any rank starts — E2B's too, which that code keys
+    one layer at a time (``use_double_wide_mlp`` sets ``hetereogenous_dist_checkpoint``) and which the
+    per-layer test alone would call vime-native. The vocabulary is a multiple of 128: upstream's
+    provider pads the embedding to one and its load does not pad the HF rows (the published 262,144 is)."""
+    import dataclasses
+
+    from test_torch_dist import assert_refused
+
+    from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
+
+    spec = dataclasses.replace(DENSE_SHAPES[member], causal_lm=True, vocab_size=384)
+    hf = write_tiny_checkpoint(tmp_path / "hf", spec)
+    report = local_world(1).run(_save_as_upstream_dense, str(hf), str(tmp_path / "upstream"))[0]
+    assert report["class"] == "Gemma4DenseProvider"
+    keys = read_checkpoint_metadata(tmp_path / "upstream" / ITERATION_DIR).state_dict_metadata
+    per_layer = any(key.startswith("decoder.layers.0.") for key in keys)
+    assert per_layer == (member == "e2b"), sorted(keys)[:5]
+    assert foreign_layout(keys) is not None
+    argv = ["export", "--load", tmp_path / "upstream", "--hf-checkpoint", hf, "--output", tmp_path / "out"]
+    line = assert_refused(
+        capsys, argv, ("is in the layout of upstream Megatron-Bridge's dense Gemma 4",), tmp_path / "out"
+    )
+    assert "native" not in line
+
+
 def _te_norm_extra_states(layers: int, sliding: int) -> dict[str, Any]:
     """The 8 ``_extra_state`` objects upstream Megatron-Bridge 0.6.2's Gemma 4 MoE text model writes and the
     plugin does not: its ``TENorm`` q/k norms, ``linear_proj.post_layernorm`` (per attention type),

@@ -29,18 +29,20 @@ FORMER_KEYS = {"decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layer
 
 
 #: Layouts other Gemma 4 code writes that the plugin's model does not load: a test on a model key -> the layout's
-#: name, what differs and what to do (docs/INTERCHANGE.md has the derivations).
+#: name, what differs and what to do (docs/INTERCHANGE.md has the derivations). The first that matches names
+#: the layout: upstream's dense norm names come first, because its E2B (``use_double_wide_mlp``) is keyed one
+#: layer at a time too (``hetereogenous_dist_checkpoint``, gemma4_provider.py L183-186).
 FOREIGN_LAYOUTS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (
-        re.compile(r"^decoder\.layers\.\d+\."),
-        "one key per layer (vime's or slime's native Gemma 4, or upstream Megatron-Bridge's E2B): "
-        "decoder.layers.<i>.* with no layer axis, not the stacked decoder.layers.*; a native MoE checkpoint: "
-        "rewrite it first with vime-gemma4 migrate --load DIR --to ours --save OUT",
-    ),
     (
         re.compile(r"\.post_self_attn_layernorm\.|\.post_mlp_layernorm\."),
         "upstream Megatron-Bridge's dense Gemma 4 (its own norm names: post_self_attn_layernorm, post_mlp_layernorm); "
         "vime-gemma4 does not read it yet",
+    ),
+    (
+        re.compile(r"^decoder\.layers\.\d+\."),
+        "one key per layer (vime's or slime's native Gemma 4): "
+        "decoder.layers.<i>.* with no layer axis, not the stacked decoder.layers.*; a native MoE checkpoint: "
+        "rewrite it first with vime-gemma4 migrate --load DIR --to ours --save OUT",
     ),
 )
 
