@@ -217,13 +217,14 @@ def test_preflight_reads_a_training_checkpoints_args(trained, family, capsys, tm
 
 
 # ------------------------------------------------------------------------------------------------
-# Layouts the plugin does not read yet: refused in one line before any rank starts
+# Layouts the plugin reads only after migrate: refused in one line before any rank starts
 # ------------------------------------------------------------------------------------------------
 
 
 def _rekeyed_copy(save: Path, out: Path, rename: Any, extra: dict[str, Any] | None = None) -> Path:
-    """``save`` (one process, PyTorch's own checkpoint reader and writer) with every model key renamed and
-    ``extra`` items added; no sidecar, digests or run config (as other code writes it)."""
+    """``save`` (one process, PyTorch's own checkpoint reader and writer) with every model key renamed (or
+    dropped where ``rename`` gives ``None``) and ``extra`` items added; no sidecar, digests or run config (as
+    other code writes it)."""
     import shutil
 
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
@@ -235,7 +236,11 @@ def _rekeyed_copy(save: Path, out: Path, rename: Any, extra: dict[str, Any] | No
     state = _items(save)[0]
     target = out / source.name
     target.mkdir(parents=True)
-    renamed = {(key if key.startswith("common_state") else rename(key)): value for key, value in state.items()}
+    renamed = {}
+    for key, value in state.items():
+        new = key if key.startswith("common_state") else rename(key)
+        if new is not None:  # None: dropped
+            renamed[new] = value
     renamed.update(extra or {})
     writer, planner = FileSystemWriter(str(target)), DefaultSavePlanner(flatten_state_dict=False)
     dcp_save(renamed, storage_writer=writer, planner=planner, no_dist=True)
@@ -255,7 +260,7 @@ def _rekeyed_copy(save: Path, out: Path, rename: Any, extra: dict[str, Any] | No
         (
             "dense-upstream",
             lambda key: key.replace("post_ffn_layernorm", "post_mlp_layernorm"),
-            ("dense Gemma 4", "does not read it yet"),
+            ("dense Gemma 4", "migrate --load DIR --to ours"),
         ),
     ],
     ids=["per-layer", "dense-upstream"],
@@ -310,34 +315,171 @@ def _save_as_upstream_dense(hf_checkpoint: str, save: str) -> dict[str, Any]:
     return {"class": type(provider).__name__}
 
 
-@pytest.mark.parametrize("member", ["31b", "e4b", "e2b"])
-def test_upstream_dense_checkpoint_its_own_code_wrote_is_refused_by_name(
-    local_world, capsys, tmp_path: Path, member: str
-) -> None:
-    """A checkpoint upstream Megatron-Bridge's own dense Gemma 4 wrote (:func:`_save_as_upstream_dense`)
-    is refused in one line naming that layout, before any rank starts — E2B's too, which that code keys
-    one layer at a time (``use_double_wide_mlp`` sets ``hetereogenous_dist_checkpoint``) and which the
-    per-layer test alone would call vime-native. The vocabulary is a multiple of 128: upstream's
-    provider pads the embedding to one and its load does not pad the HF rows (the published 262,144 is)."""
+@pytest.fixture(scope="module")
+def upstream_dense(local_world, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+    """Per dense member: a causal-LM HF checkpoint (vocabulary a multiple of 128: upstream's provider pads
+    the embedding to one and its load does not pad the HF rows, UPSTREAM 69; the published 262,144 is),
+    the checkpoint upstream's own code wrote from it (:func:`_save_as_upstream_dense`) and our import."""
     import dataclasses
 
+    root, world, made = tmp_path_factory.mktemp("upstream_dense"), local_world(1), {}
+    for member in ("31b", "e4b", "e2b"):
+        spec = dataclasses.replace(DENSE_SHAPES[member], causal_lm=True, vocab_size=384)
+        hf = write_tiny_checkpoint(root / member / "hf", spec)
+        report = world.run(_save_as_upstream_dense, str(hf), str(root / member / "upstream"))[0]
+        assert report["class"] == "Gemma4DenseProvider"
+        world.run(import_job, str(hf), str(root / member / "ours"), str(root / member / ".p"), Topology())
+        made[member] = {"hf": hf, "upstream": root / member / "upstream", "ours": root / member / "ours"}
+    return made
+
+
+def _model_items(save: Path) -> dict[str, Any]:
+    """A checkpoint's stored items less its common state (a save's own: args, versions)."""
+    return {key: value for key, value in _items(save)[0].items() if not key.startswith("common_state")}
+
+
+@pytest.mark.parametrize("member", ["31b", "e4b", "e2b"])
+def test_upstream_dense_checkpoint_its_own_code_wrote_is_refused_by_name(
+    upstream_dense, capsys, tmp_path: Path, member: str
+) -> None:
+    """A checkpoint upstream Megatron-Bridge's own dense Gemma 4 wrote (:func:`_save_as_upstream_dense`)
+    is refused by ``export`` in one line naming that layout and ``migrate``, before any rank starts —
+    E2B's too, which that code keys one layer at a time (``use_double_wide_mlp`` sets
+    ``hetereogenous_dist_checkpoint``) and which the per-layer test alone would call vime-native."""
     from test_torch_dist import assert_refused
 
     from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
 
-    spec = dataclasses.replace(DENSE_SHAPES[member], causal_lm=True, vocab_size=384)
-    hf = write_tiny_checkpoint(tmp_path / "hf", spec)
-    report = local_world(1).run(_save_as_upstream_dense, str(hf), str(tmp_path / "upstream"))[0]
-    assert report["class"] == "Gemma4DenseProvider"
-    keys = read_checkpoint_metadata(tmp_path / "upstream" / ITERATION_DIR).state_dict_metadata
+    made = upstream_dense[member]
+    keys = read_checkpoint_metadata(made["upstream"] / ITERATION_DIR).state_dict_metadata
     per_layer = any(key.startswith("decoder.layers.0.") for key in keys)
     assert per_layer == (member == "e2b"), sorted(keys)[:5]
     assert foreign_layout(keys) is not None
-    argv = ["export", "--load", tmp_path / "upstream", "--hf-checkpoint", hf, "--output", tmp_path / "out"]
-    line = assert_refused(
-        capsys, argv, ("is in the layout of upstream Megatron-Bridge's dense Gemma 4",), tmp_path / "out"
-    )
+    argv = ["export", "--load", made["upstream"], "--hf-checkpoint", made["hf"], "--output", tmp_path / "out"]
+    needle = "is in the layout of upstream Megatron-Bridge's dense Gemma 4"
+    line = assert_refused(capsys, argv, (needle, "migrate --load DIR --to ours"), tmp_path / "out")
     assert "native" not in line
+
+
+@pytest.mark.parametrize("member", ["31b", "e4b", "e2b"])
+def test_dense_migrate_writes_what_upstream_writes_and_reads_it_bitwise(
+    local_world, upstream_dense, tmp_path: Path, member: str
+) -> None:
+    """``migrate --to upstream`` of our import is, item for item (names, dtypes, shapes, values, the
+    ``_extra_state`` objects), the checkpoint upstream's own code wrote from the same HF checkpoint —
+    KV-shared layers' zero K/V rows and unit key norms, float32 tensors and E2B's per-layer keys
+    included; ``migrate --to ours`` of upstream's checkpoint is our import, item for item, and exports
+    the HF checkpoint bitwise; ours -> upstream -> ours is the identity. Two ranks move the layers."""
+    import torch
+
+    from vime_gemma4_bridge.convert.migrate import migrate_job
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
+
+    made, world = upstream_dense[member], local_world(2)
+    config = HFCheckpoint(made["hf"]).config
+    ours, upstream = _model_items(made["ours"]), _model_items(made["upstream"])
+    written, read, back = tmp_path / "written", tmp_path / "read", tmp_path / "back"
+    world.run(migrate_job, str(made["ours"]), str(written), str(tmp_path / ".p1"), "upstream", config)
+    assert set(_model_items(written)) == set(upstream)
+    assert [key for key, value in _model_items(written).items() if _differences(value, upstream[key])] == []
+    world.run(migrate_job, str(made["upstream"]), str(read), str(tmp_path / ".p2"), "ours", config)
+    world.run(migrate_job, str(written), str(back), str(tmp_path / ".p3"), "ours", config)
+    for result in (read, back):
+        items = _model_items(result)
+        assert set(items) == set(ours)
+        assert [key for key, value in items.items() if _differences(value, ours[key])] == []
+    world.run(export_job, str(read), str(made["hf"]), str(tmp_path / "hf"), Topology(tp=2), False, 10**9)
+    source, exported = HFCheckpoint(made["hf"]).load(), HFCheckpoint(tmp_path / "hf").load()
+    assert set(source) == set(exported)
+    assert [
+        name
+        for name in source
+        if not (source[name].dtype == exported[name].dtype and torch.equal(source[name], exported[name]))
+    ] == []
+
+
+@pytest.mark.parametrize("form", ["no_dist_opt", "fully_reshardable"])
+def test_dense_training_checkpoint_migrates_with_its_optimizer_state(
+    local_world, upstream_dense, tmp_path: Path, form: str
+) -> None:
+    """E4B after one Adam step (Megatron-LM's ``save_checkpoint``, TP2, name-keyed optimizer state):
+    ours -> upstream -> ours gives every item back bitwise, model and optimizer state, RNG and common
+    state; in upstream's layout the optimizer state sits under upstream's keys with its parameter's
+    shape, the KV-shared layers' created K/V rows zero in Adam's moments."""
+    import torch
+    from megatron_lm_training import train_and_save_job
+
+    from vime_gemma4_bridge.convert.migrate import migrate_job
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
+
+    made = upstream_dense["e4b"]
+    save, world = tmp_path / "trained", local_world(2)
+    world.run(train_and_save_job, str(made["hf"]), str(save), str(tmp_path / "reference"), Topology(tp=2), form)
+    config = HFCheckpoint(made["hf"]).config
+    there, back = tmp_path / "upstream", tmp_path / "back"
+    world.run(migrate_job, str(save), str(there), str(tmp_path / ".p1"), "upstream", config)
+    world.run(migrate_job, str(there), str(back), str(tmp_path / ".p2"), "ours", config)
+    (before, common_before), (after, common_after) = _items(save), _items(back)
+    assert set(before) == set(after)
+    assert [key for key in before if _differences(before[key], after[key])] == []
+    assert _differences(common_before, common_after) == []
+    upstream = _items(there)[0]
+    moments = [key for key in upstream if "exp_avg" in key and key.endswith("self_attention_sliding.linear_qkv.weight")]
+    assert moments, sorted(upstream)[:8]
+    for key in moments:
+        shared = upstream[key][3:]  # sliding layers 4-6 of E4B (layers 3, 4, 5 of the stack) are KV-shared
+        # per KV group (2): its 2 query heads of 8 rows, then K and V (8 rows each)
+        assert torch.count_nonzero(shared[:, 16:32]) == 0 and torch.count_nonzero(shared[:, 48:64]) == 0, key
+        assert torch.count_nonzero(shared[:, :16]) > 0, key  # the query rows' moments moved with them
+
+
+def test_dense_migrate_to_vime_native_and_its_refusals(local_world, upstream_dense, capsys, tmp_path: Path) -> None:
+    """31B: ours -> vime-native -> ours is the identity, the native checkpoint one key per layer under its
+    names (docs/INTERCHANGE.md) with a float32 ``layer_scalar``. Refused in one line before any rank
+    starts: E4B to vime-native (its code builds no per-layer embeddings or KV sharing), a dense checkpoint
+    without ``--hf-checkpoint``, upstream's checkpoint with one key renamed (named) or without one (named)."""
+    import torch
+    from test_torch_dist import assert_refused
+
+    from vime_gemma4_bridge.convert.migrate import migrate_job
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
+
+    made, world = upstream_dense["31b"], local_world(2)
+    config = HFCheckpoint(made["hf"]).config
+    native, back = tmp_path / "native", tmp_path / "back"
+    world.run(migrate_job, str(made["ours"]), str(native), str(tmp_path / ".p1"), "vime-native", config)
+    world.run(migrate_job, str(native), str(back), str(tmp_path / ".p2"), "ours", config)
+    ours, items = _model_items(made["ours"]), _model_items(back)
+    assert set(items) == set(ours) and [key for key, value in items.items() if _differences(value, ours[key])] == []
+    stored = _model_items(native)
+    assert stored["decoder.layers.3.layer_scalar"].dtype == torch.float32
+    assert torch.equal(
+        stored["decoder.layers.3.pre_mlp_layernorm.weight"], ours["decoder.layers.mlp.linear_fc1.layer_norm_weight"][3]
+    )
+    assert torch.equal(
+        stored["decoder.layers.3.post_attention_layernorm.weight"],
+        ours["decoder.layers.self_attention_global.linear_proj.post_layernorm.weight"][0],
+    )
+    e4b = upstream_dense["e4b"]
+    cases = [
+        (
+            ["--load", e4b["ours"], "--to", "vime-native", "--hf-checkpoint", e4b["hf"]],
+            ("builds the 31B dense model only",),
+        ),
+        (["--load", made["ours"], "--to", "upstream"], ("holds a dense Gemma 4: pass --hf-checkpoint",)),
+    ]
+    renamed = _rekeyed_copy(
+        made["upstream"], tmp_path / "renamed", lambda key: key.replace("pre_mlp_layernorm", "pre_mlp_norm")
+    )
+    cases.append(
+        (["--load", renamed, "--to", "ours", "--hf-checkpoint", made["hf"]], ("decoder.layers.pre_mlp_norm.weight",))
+    )
+    lacking = _rekeyed_copy(made["upstream"], tmp_path / "lacking", lambda key: None if "post_mlp" in key else key)
+    cases.append(
+        (["--load", lacking, "--to", "ours", "--hf-checkpoint", made["hf"]], ("lacks layer 0's post_mlp_norm",))
+    )
+    for argv, needles in cases:
+        assert_refused(capsys, ["migrate", *argv, "--save", tmp_path / "out"], needles, tmp_path / "out")
 
 
 def _te_norm_extra_states(layers: int, sliding: int) -> dict[str, Any]:

@@ -27,15 +27,22 @@ import re
 import shutil
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vime_gemma4_bridge.convert.migrate_dense import DensePlan
+from vime_gemma4_bridge.convert.migrate_units import (
+    COMMON_STATE,
+    EMPTY_STATE,
+    OBJECT_SHARD,
+    Unit,
+    split_key,
+)
 from vime_gemma4_bridge.io.torch_dist import (
     TRACKER_NAME,
     TorchDistCheckpoint,
 )
-from vime_gemma4_bridge.io.torch_dist_layout import LANGUAGE_MODEL_KEY_PREFIX, ConversionError, is_vision_language
+from vime_gemma4_bridge.io.torch_dist_layout import ConversionError, is_vision_language
 
 LAYOUTS = ("ours", "upstream", "vime-native")
 
@@ -111,28 +118,8 @@ TE_NORMS = {
     },
 }
 FINAL_NORM = "decoder.final_layernorm."
-COMMON_STATE = "common_state"  # megatron-core dist_checkpointing/serialization.py L439: the common state as an object
-#: Where the language model's key starts in a stored key (after an optimizer-state or ``language_model.`` prefix).
-MODEL_KEY = re.compile(r"(?:^|(?<=\.))(decoder|embedding|output_layer)\.")
 NATIVE_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 ATTENTION = re.compile(r"^decoder\.layers\.self_attention_(sliding|global)\.(.*)$")
-OBJECT_SHARD = re.compile(r"^(.*)/shard_([\d.]+)_([\d.]+)$")
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One stored piece of the source and where it goes: a tensor (``shape``, ``dtype``) or one object."""
-
-    source: str
-    target: str
-    #: ``(index, size)`` on a leading stack axis, on each side; ``None``: no stack axis.
-    source_stack: tuple[int, int] | None
-    target_stack: tuple[int, int] | None
-    shape: tuple[int, ...] = ()  # a tensor's shape without the stack axis
-    dtype: Any = None
-    #: an object's offset and shape without the stack axis (``None``: a tensor)
-    object_at: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-    layer: int = -1  # the HF layer, or -1 (moved by rank 0)
 
 
 def _replace_prefix(path: str, table: Iterable[tuple[str, str]], reverse: bool = False) -> str | None:
@@ -144,38 +131,47 @@ def _replace_prefix(path: str, table: Iterable[tuple[str, str]], reverse: bool =
     return None
 
 
-class Plan:
-    """Every unit of a source checkpoint for one target layout (no tensor data read)."""
+def make_plan(checkpoint: TorchDistCheckpoint, to: str, text_config: Mapping[str, Any] | None) -> Any:
+    """The plan that moves ``checkpoint`` to layout ``to``: :class:`Plan` for the MoE model,
+    :class:`~vime_gemma4_bridge.convert.migrate_dense.DensePlan` for a dense one (it has no router).
+    ``text_config``: the HF text config (``--hf-checkpoint``), or ``None``."""
+    from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
 
-    def __init__(self, checkpoint: TorchDistCheckpoint, to: str, layer_types: list[str] | None) -> None:
+    if to not in LAYOUTS:
+        raise ConversionError(f"--to {to!r}: choose one of {', '.join(LAYOUTS)}")
+    sharding = checkpoint.positional_optimizer()
+    if sharding:
+        raise ConversionError(
+            f"torch_dist checkpoint {checkpoint.path} holds distributed-optimizer state in the {sharding} "
+            "format, keyed by position, which no key map can move: migrate a checkpoint saved with "
+            "--dist-ckpt-optim-fully-reshardable (keyed by name), or one saved with --no-save-optim"
+        )
+    stored = read_checkpoint_metadata(checkpoint.iteration_dir).state_dict_metadata
+    if any(key.endswith("mlp.router.scale") for key in stored):
+        plan = Plan(checkpoint, to, (text_config or {}).get("layer_types"), stored)
+    else:
+        plan = DensePlan(checkpoint, to, text_config, stored)
+    plan.common = checkpoint.common_state()
+    return plan
+
+
+class Plan:
+    """Every unit of a MoE source checkpoint for one target layout (no tensor data read)."""
+
+    def __init__(
+        self, checkpoint: TorchDistCheckpoint, to: str, layer_types: list[str] | None, stored: Mapping
+    ) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
-
-        if to not in LAYOUTS:
-            raise ConversionError(f"--to {to!r}: choose one of {', '.join(LAYOUTS)}")
-        self.checkpoint, self.to, self.given = checkpoint, to, layer_types
-        stored = read_checkpoint_metadata(checkpoint.iteration_dir).state_dict_metadata
-        self.common = checkpoint.common_state()
-        sharding = checkpoint.positional_optimizer()
-        if sharding:
-            raise ConversionError(
-                f"torch_dist checkpoint {checkpoint.path} holds distributed-optimizer state in the {sharding} "
-                "format, keyed by position, which no key map can move: migrate a checkpoint saved with "
-                "--dist-ckpt-optim-fully-reshardable (keyed by name), or one saved with --no-save-optim"
-            )
+        self.checkpoint, self.to = checkpoint, to
         tensors = {key: meta for key, meta in stored.items() if isinstance(meta, TensorStorageMetadata)}
         objects = [key for key in stored if key not in tensors]
-        model = {split[1]: meta for key, meta in tensors.items() if (split := _split(key)) and not split[0]}
+        model = {split[1]: meta for key, meta in tensors.items() if (split := split_key(key)) and not split[0]}
         self.source = "vime-native" if any(NATIVE_LAYER.match(key) for key in model) else "ours"
         self.vision_language = is_vision_language(stored)
         self.types = self._layer_types(model, layer_types)
         self.index = {kind: [n for n, t in enumerate(self.types) if t == kind] for kind in ("sliding", "global")}
-        if not any(key.endswith("mlp.router.scale") for key in model):
-            raise ConversionError(
-                f"torch_dist checkpoint {checkpoint.path} holds a dense Gemma 4: migrate moves the MoE model "
-                "(26B-A4B) only (docs/INTERCHANGE.md)"
-            )
+        self.model_dtype = model["embedding.word_embeddings.weight"].properties.dtype
         self.units: list[Unit] = []
         for key, meta in tensors.items():
             self.units += self._tensor_units(key, tuple(meta.size), meta.properties.dtype)
@@ -279,7 +275,7 @@ class Plan:
         return prefix + key, stack
 
     def _tensor_units(self, key: str, size: tuple[int, ...], dtype: Any) -> list[Unit]:
-        split = _split(key)
+        split = split_key(key)
         if split is None:
             return [Unit(key, key, None, None, size, dtype)]  # not the language model's: copied as it is
         prefix, model_key = split
@@ -287,8 +283,18 @@ class Plan:
         for n, attention, path, stack in self._ours(model_key):
             target, target_stack = self._target(prefix, model_key, n, attention, path)
             shape = size[1:] if stack is not None else size
-            units.append(Unit(key, target, stack, target_stack, shape, dtype, layer=n))
+            cast = None if prefix else self._target_dtype(path)
+            units.append(Unit(key, target, stack, target_stack, shape, dtype, layer=n, target_dtype=cast))
         return units
+
+    def _target_dtype(self, path: str) -> Any:
+        """The dtype the target's code holds a model tensor in: vime-native's ``layer_scalar`` is a float32
+        buffer (L371: kept so on purpose), the plugin holds every weight in the model's (the embedding's)."""
+        import torch
+
+        if self.to == "vime-native":
+            return torch.float32 if path == "layer_scalar" else None
+        return self.model_dtype
 
     def _object_units(self, unique: str) -> list[Unit]:
         match = OBJECT_SHARD.match(unique)
@@ -299,7 +305,7 @@ class Plan:
             return []  # megatron-core stores the common state itself, beside common.pt
         offset = tuple(int(x) for x in match.group(2).split("."))
         shape = tuple(int(x) for x in match.group(3).split("."))
-        split = _split(key)
+        split = split_key(key)
         if split is None or split[0] or not key.endswith("._extra_state"):
             return [Unit(key, key, None, None, object_at=(offset, shape))]  # RNG, ...: copied as it is
         module = split[1].removesuffix("_extra_state")
@@ -336,21 +342,8 @@ class Plan:
             target, stack = self._target("", path + "weight", n, attention, path + "weight")
             target = target.removesuffix("weight") + "_extra_state"
             if (target, stack) not in covered:
-                created.append(Unit("", target, None, stack, object_at=((), ()), layer=n))
+                created.append(Unit("", target, None, stack, object_at=((), ()), layer=n, fill=EMPTY_STATE))
         return created
-
-
-def _split(key: str) -> tuple[str, str] | None:
-    """``(prefix kept in the target, language-model key)`` of a stored key, or ``None`` when the key is not the
-    language model's (RNG, a tower). An optimizer-state prefix is kept; ``language_model.`` (the
-    vision-language model's) is dropped: every target is a text layout, the towers stay as they are."""
-    match = MODEL_KEY.search(key)
-    if match is None:
-        return None
-    prefix = key[: match.start()].replace(LANGUAGE_MODEL_KEY_PREFIX, "")
-    if prefix and "optimizer.state." not in prefix:
-        return None
-    return prefix, key[match.start() :]
 
 
 def _axes(offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -366,19 +359,43 @@ def _place(stack: tuple[int, int] | None, rest: tuple[tuple[int, ...], tuple[int
     return (offset or (0,)), (shape or (1,))
 
 
-def _item(unit: Unit, key: str, stack: tuple[int, int] | None, data: Any) -> Any:
-    """The megatron-core description of ``unit`` at ``key`` (with ``stack``), holding ``data``."""
+def _item(unit: Unit, key: str, stack: tuple[int, int] | None, rows: tuple[int, int, int] | None, data: Any) -> Any:
+    """The megatron-core description of ``unit`` at ``key`` (with ``stack`` and ``rows``), holding ``data``.
+
+    A tensor is described without a regular grid (``axis_fragmentations=None``): pieces of one key need
+    not divide it evenly (a KV group's query rows), and PyTorch's planner checks that the pieces a save
+    writes cover each tensor exactly once."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     if unit.object_at is not None:
         offset, shape = _place(stack, unit.object_at)
         return ShardedObject(key, data, shape, offset, replica_id=0)
-    if stack is None:
-        return ShardedTensor.from_rank_offsets(key, data, replica_id=0)
-    return ShardedTensor.from_rank_offsets(key, data, (0, *stack), replica_id=0, prepend_axis_num=1)
+    own = tuple(data.shape)
+    whole = (rows[2], *own[1:]) if rows else own
+    offsets = ((rows[0] if rows else 0),) + (0,) * (len(own) - 1) if own else ()
+    if stack:  # the stack axis as the data's own (PyTorch's planner takes no prepended axis off a regular grid)
+        data, own, whole, offsets = data.unsqueeze(0), (1, *own), (stack[1], *whole), (stack[0], *offsets)
+    return ShardedTensor(key, data, data.dtype, own, whole, offsets, None, replica_id=0)
 
 
-def migrate_job(load: str, save: str, partial: str, to: str, layer_types: list[str] | None) -> dict[str, Any]:
+def _loaded(unit: Unit, data: Any) -> Any:
+    """A loaded unit's data without the stack axis :func:`_item` gave it, in the target's dtype."""
+    if unit.object_at is not None:
+        return data
+    data = data.reshape(unit.shape)
+    return data if unit.target_dtype is None else data.to(unit.target_dtype)
+
+
+def _created(unit: Unit) -> Any:
+    """What a unit the source lacks holds in the target (what the target's own code writes there)."""
+    import torch
+
+    if unit.object_at is not None:
+        return torch.empty(0, dtype=torch.uint8) if unit.fill == EMPTY_STATE else None
+    return torch.full(unit.shape, unit.fill, dtype=unit.dtype)
+
+
+def migrate_job(load: str, save: str, partial: str, to: str, text_config: dict[str, Any] | None) -> dict[str, Any]:
     """``load`` rewritten in layout ``to`` at ``save`` (written into ``partial``, committed when complete).
     Every rank moves its layers; returns rank 0's report."""
     import torch
@@ -395,7 +412,7 @@ def migrate_job(load: str, save: str, partial: str, to: str, layer_types: list[s
 
     start = time.perf_counter()
     checkpoint = TorchDistCheckpoint(load)
-    plan = Plan(checkpoint, to, layer_types)
+    plan = make_plan(checkpoint, to, text_config)
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = [unit for unit in plan.units if max(unit.layer, 0) % world == rank]
     work, out = Path(convert.broadcast_from_rank0(partial)), Path(save)
@@ -410,6 +427,7 @@ def migrate_job(load: str, save: str, partial: str, to: str, layer_types: list[s
                 unit,
                 unit.source,
                 unit.source_stack,
+                unit.source_rows,
                 None if unit.object_at else torch.empty(unit.shape, dtype=unit.dtype),
             )
             for i, unit in enumerate(mine)
@@ -424,7 +442,8 @@ def migrate_job(load: str, save: str, partial: str, to: str, layer_types: list[s
                 unit,
                 unit.target,
                 unit.target_stack,
-                loaded[f"u{i}"] if unit.source else torch.empty(0, dtype=torch.uint8),
+                unit.target_rows,
+                _created(unit) if not unit.source else _loaded(unit, loaded[f"u{i}"]),
             )
             for i, unit in enumerate(mine)
         }
@@ -455,7 +474,7 @@ def migrate_job(load: str, save: str, partial: str, to: str, layer_types: list[s
                 "layer_types": plan.types,
                 "tensors": sum(1 for unit in plan.units if unit.object_at is None),
                 "objects": sum(1 for unit in plan.units if unit.object_at is not None),
-                "created_norm_states": sum(1 for unit in plan.units if not unit.source),
+                "created": sum(1 for unit in plan.units if not unit.source),
                 "world_size": world,
                 "seconds": round(time.perf_counter() - start, 3),
             }

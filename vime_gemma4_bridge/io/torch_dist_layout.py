@@ -35,14 +35,15 @@ FORMER_KEYS = {"decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layer
 FOREIGN_LAYOUTS: tuple[tuple[re.Pattern[str], str], ...] = (
     (
         re.compile(r"\.post_self_attn_layernorm\.|\.post_mlp_layernorm\."),
-        "upstream Megatron-Bridge's dense Gemma 4 (its own norm names: post_self_attn_layernorm, post_mlp_layernorm); "
-        "vime-gemma4 does not read it yet",
+        "upstream Megatron-Bridge's dense Gemma 4 (its own norm names: post_self_attn_layernorm, post_mlp_layernorm, "
+        "and attention stacks): rewrite it first with vime-gemma4 migrate --load DIR --to ours --save OUT "
+        "--hf-checkpoint HF",
     ),
     (
         re.compile(r"^decoder\.layers\.\d+\."),
         "one key per layer (vime's or slime's native Gemma 4): "
-        "decoder.layers.<i>.* with no layer axis, not the stacked decoder.layers.*; a native MoE checkpoint: "
-        "rewrite it first with vime-gemma4 migrate --load DIR --to ours --save OUT",
+        "decoder.layers.<i>.* with no layer axis, not the stacked decoder.layers.*: rewrite it first with "
+        "vime-gemma4 migrate --load DIR --to ours --save OUT (a dense one also --hf-checkpoint HF)",
     ),
 )
 
