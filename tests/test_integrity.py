@@ -155,6 +155,57 @@ def test_flipped_hf_byte_is_named_by_import_compare_and_verify_checkpoint(import
     assert not save.exists() and not list(tmp_path.glob(".save*"))
 
 
+def test_a_tensor_whose_digest_entry_was_removed_is_named(imported, capsys, tmp_path: Path) -> None:
+    """A shard's header edited so that one tensor's digest key is gone (the same length, so every reader
+    still takes the file): its check is not switched off — ``verify-checkpoint`` names the tensor. Up to
+    this change ``hf_spans`` skipped a tensor without a digest, and the file verified."""
+    from vime_gemma4_bridge.io.hf import HFCheckpoint
+
+    edited = tmp_path / "edited"
+    shutil.copytree(imported["exported"], edited)
+    name = next(n for n in HFCheckpoint(edited).language_model_names() if n.endswith("embed_tokens.weight"))
+    file = HFCheckpoint(edited).locate(name).file
+    data = file.read_bytes()
+    key = f'"xxh3_128:{name}"'.encode()
+    assert data.count(key) == 1
+    file.write_bytes(data.replace(key, key.replace(b"xxh3_128:", b"xxh3_12X:")))
+    code, out, err = run_cli(capsys, "verify-checkpoint", edited)
+    assert code == 1 and out == "", err
+    assert f"(tensor {name}) has no digest where its writer recorded one" in err, err
+
+
+def _verify_with_rank_1_unable_to_read(hf_checkpoint: str) -> str:
+    """``verify_sources`` on every rank, rank 1's reads failing as an unreadable file's would (root reads
+    every file here, so the failure is stood in): what this rank raised."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from vime_gemma4_bridge.convert import integrity
+
+    original = integrity.check_spans
+
+    def check_spans(expected: list) -> str | None:
+        if dist.get_rank() == 1:
+            raise PermissionError(13, "Permission denied", "model.safetensors")
+        return original(expected)
+
+    with mock.patch.object(integrity, "check_spans", check_spans):
+        try:
+            integrity.verify_sources(hf_checkpoint)
+        except OSError as error:
+            return str(error)
+    return "no error"
+
+
+def test_one_ranks_read_error_fails_every_rank(local_world, imported) -> None:
+    """A rank that cannot read its share of the spans sends the error to the exchange: every rank raises it,
+    instead of the others waiting in ``all_gather_object`` for a rank that is gone (up to this change the
+    failing rank raised before the exchange)."""
+    errors = local_world(2).run(_verify_with_rank_1_unable_to_read, str(imported["exported"]))
+    assert errors == ["PermissionError: [Errno 13] Permission denied: 'model.safetensors'"] * 2, errors
+
+
 def test_verify_checkpoint_refuses_what_records_no_digests_or_a_damaged_record(
     imported, capsys, tmp_path: Path
 ) -> None:

@@ -309,3 +309,48 @@ def test_vime_expert_lora_adapter_on_the_fork(local_world, checkpoint: Path, tmp
     assert set(saved) == {f"{prefix}.{i}.{m}.lora_{s}.weight" for i in layers for m in modules for s in "AB"}
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["target_modules"] == ["gate_proj", "up_proj", "down_proj"]
+
+
+def test_the_adapter_stream_holds_only_k_eq_v_layers_k_adapters_and_passes_other_names() -> None:
+    """``stream_adapter_weights_megatron_to_hf`` over a stand-in for upstream's stream (its
+    ``HFWeightTuple`` items, in its q, k, v order): a name that is no ``.lora_[AB].weight`` passes through
+    (it raised ``AttributeError`` on ``None.groups()``); a k_proj adapter is held only where the layer's
+    v_proj is absent in HF (k_eq_v full layers) and only until that v_proj item (every layer's was kept
+    to the end of the stream); the k_eq_v layer's v_proj adapter is its k_proj one."""
+    import gc
+    import weakref
+
+    from megatron.bridge.models.conversion.model_bridge import HFWeightTuple
+
+    from vime_gemma4_bridge.core.lora import Gemma4AdapterExport
+
+    def lora(layer: int, projection: str, side: str) -> HFWeightTuple:
+        name = f"model.language_model.layers.{layer}.self_attn.{projection}.lora_{side}.weight"
+        return HFWeightTuple(name, torch.full((2, 2), float(layer)))
+
+    items = [lora(0, p, s) for p in ("q_proj", "k_proj", "v_proj") for s in "AB"]  # sliding: V of its own
+    items += [HFWeightTuple("model.language_model.layers.0.self_attn.magnitude", torch.zeros(1))]
+    items += [lora(1, p, s) for p in ("q_proj", "k_proj", "v_proj") for s in "AB"]  # full, k_eq_v: V is K
+    sliding_k = weakref.ref(items[2].weight)
+    full_k = items[9].weight
+
+    class Upstream:
+        def stream_adapter_weights_megatron_to_hf(self):
+            while items:
+                yield items.pop(0)
+
+    class Bridge(Gemma4AdapterExport, Upstream):
+        def _absent_in_hf(self, hf_name: str) -> bool:
+            return hf_name.endswith("layers.1.self_attn.v_proj.weight")
+
+    stream = Bridge().stream_adapter_weights_megatron_to_hf()
+    names = []
+    for item in stream:
+        names.append(item.param_name)
+        if item.param_name.endswith("magnitude"):
+            gc.collect()
+            assert sliding_k() is None, "a layer with its own V had its k_proj adapter held"
+        if item.param_name.endswith("layers.1.self_attn.v_proj.lora_A.weight"):
+            assert item.weight is full_k
+        del item
+    assert len(names) == 13 and names[6].endswith("magnitude")

@@ -433,3 +433,31 @@ def test_rollout_check_scores_completions_of_unequal_length(hf_vl: Path) -> None
         lengths = iter([1, 3, 0])
         with pytest.raises(rollout.ServerError, match="no token for prompt 1"):
             rollout.rollout_check(str(hf_vl), "http://stub", prompts=2, prompt_len=4, max_tokens=3)
+
+
+def test_rollout_check_tells_a_smaller_vocabulary_by_the_servers_answers(hf_vl: Path) -> None:
+    """A server that refuses the checkpoint's last token id and serves id 0 has a smaller vocabulary, however
+    its error is worded (the check searched the error text for "vocab" or "token id"); a server that refuses
+    both is reported as refusing, with its own answer."""
+    from unittest import mock
+
+    from vime_gemma4_bridge.verify import rollout
+
+    refuse_from = [10]
+
+    def complete(server, model, prompt, max_tokens, vocab_size, sglang=False):
+        if prompt[0] >= refuse_from[0]:
+            raise rollout.ServerError(f"{server} refused a completion (HTTP 400): input out of range")
+        return [(7, -1.0)] * max_tokens
+
+    patches = (
+        mock.patch.object(rollout, "served_model", lambda server, model: "m"),
+        mock.patch.object(rollout, "is_sglang", lambda server: False),
+        mock.patch.object(rollout, "complete", complete),
+    )
+    with patches[0], patches[1], patches[2]:
+        with pytest.raises(rollout.ServerError, match="vocab mismatch: http://stub refuses token id"):
+            rollout.rollout_check(str(hf_vl), "http://stub", prompts=1, prompt_len=4, max_tokens=2)
+        refuse_from[0] = 0
+        with pytest.raises(rollout.ServerError, match="refused a completion .HTTP 400.: input out of range"):
+            rollout.rollout_check(str(hf_vl), "http://stub", prompts=1, prompt_len=4, max_tokens=2)

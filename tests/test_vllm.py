@@ -298,18 +298,24 @@ def test_vllm_cpu_reload_needs_the_moe_reprepack_workaround(ckpts, prompts) -> N
 
 
 def test_vllm_cpu_refuses_block_fp8_dumps_gpu_check_serves_them(engine, local_world, ckpts, tmp_path: Path) -> None:
-    """vLLM itself refuses block FP8 on the CPU (no FP8 linear or MoE kernel there): the FP8 export-live dump
-    at TP2·PP2·EP4·ETP1 does not load. On a GPU host (scripts/gpu_check.sh, docs/GPU.md) the same dump
-    must load and serve; here the test pins the refusal, so a vLLM that starts taking it shows up."""
+    """vLLM itself refuses block FP8 on the CPU (no FP8 kernel there, or, with AMX, its CPU FP8 MoE loader
+    fails): the FP8 export-live dump at TP2·PP2·EP4·ETP1 does not load. On a GPU host (scripts/gpu_check.sh,
+    docs/GPU.md) the same dump must load and serve; here the test pins the refusal, so a vLLM that starts
+    taking it shows up."""
     dump = tmp_path / "fp8"
     local_world(8).run(export_live_job, str(ckpts["hf"]), TOPOLOGY, str(dump), BUFFER, False, "per-expert", "fp8")
     assert json.loads((dump / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
     if engine.vllm.platform != "cpu":  # the engine says it runs on an accelerator: the dump must serve
         Engine(dump, dtype="bfloat16").close()
         return
-    # vllm-cpu 0.32.0 finds no FP8 kernel: "Failed to find a kernel that can implement the ScaledMM linear
-    # layer" (the attention and MLP linears, first) or "Unsupported FP8 MoE backend: NONE" (the experts).
-    with pytest.raises(AssertionError, match="ScaledMM linear layer|Unsupported FP8 MoE backend"):
+    # vllm-cpu 0.32.0 on a CPU without its FP8 kernels finds none: "Failed to find a kernel that can implement
+    # the ScaledMM linear layer" (the attention and MLP linears, first) or "Unsupported FP8 MoE backend: NONE"
+    # (the experts). On a CPU with AMX (avx512_bf16, amx_tile) it selects its CPU FP8 MoE backend
+    # (fused_moe/oracle/fp8.py L137-141) and fails in that backend's weight loader instead, copying the
+    # experts' gate/up weights (routed_experts.py ``_load_w13``: a shape mismatch; the tiny experts are
+    # narrower than one 128-wide block, which a GPU build refuses outright). Either way it does not load.
+    refusals = "ScaledMM linear layer|Unsupported FP8 MoE backend|in _load_w13"
+    with pytest.raises(AssertionError, match=refusals):
         Engine(dump, dtype="bfloat16")  # vLLM takes FP8 checkpoints in bf16/fp16 only
 
 

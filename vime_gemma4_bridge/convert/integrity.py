@@ -8,7 +8,7 @@ byte of the checkpoint is used.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from vime_gemma4_bridge.io.digests import (
@@ -22,7 +22,7 @@ from vime_gemma4_bridge.io.digests import (
 )
 from vime_gemma4_bridge.io.hf import HFCheckpoint
 
-__all__ = ["record_torch_dist_digests", "verify_sources"]
+__all__ = ["each_rank_share", "record_torch_dist_digests", "verify_sources"]
 
 
 def _share() -> tuple[int, int]:
@@ -31,21 +31,34 @@ def _share() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _gathered(mine: object) -> list:
+def each_rank_share(work: Callable[[list], list], items: Sequence) -> list[list]:
+    """``work`` on this rank's share of ``items`` (every ``world_size``-th), the results of all ranks in rank order.
+
+    Every rank must reach the exchange: a rank whose share raised ``OSError`` (a file it cannot read) sends
+    the error instead, and every rank raises it, rather than leaving the others waiting in
+    ``all_gather_object`` for a rank that is gone.
+    """
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        return [mine]
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return every
+    rank, world = _share()
+    try:
+        mine: tuple[str, object] = ("ok", work(list(items)[rank::world]))
+    except OSError as error:
+        mine = ("error", f"{type(error).__name__}: {error}")
+    every: list = [mine]
+    if dist.is_initialized():
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+    failed = [payload for status, payload in every if status == "error"]
+    if failed:
+        raise OSError(failed[0])
+    return [payload for _, payload in every]
 
 
 def _shared_digests(spans: list[Span]) -> list[str]:
-    rank, world = _share()
-    shares = _gathered(digest_spans(spans[rank::world]))
+    _, world = _share()
     digests = [""] * len(spans)
-    for r, share in enumerate(shares):
+    for r, share in enumerate(each_rank_share(digest_spans, spans)):
         digests[r::world] = share
     return digests
 
@@ -59,8 +72,7 @@ def record_torch_dist_digests(iteration_dir: Path, writer: bool) -> None:
 
 
 def _check_shared(expected: Sequence[tuple[Span, str]], kind: str, path: Path) -> int:
-    rank, world = _share()
-    found = [description for description in _gathered(check_spans(list(expected)[rank::world])) if description]
+    found = [found for (found,) in each_rank_share(lambda share: [check_spans(share)], expected) if found]
     if found:
         raise damaged(kind, path, found[0])
     return len(expected)

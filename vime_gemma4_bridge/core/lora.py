@@ -186,9 +186,15 @@ class Gemma4AdapterExport:
         """
         adapted_k: dict[str, torch.Tensor] = {}
         for item in super().stream_adapter_weights_megatron_to_hf(*args, **kwargs):
-            base, side = re.fullmatch(r"(.*)(\.lora_[AB]\.weight)", item[0]).groups()
+            adapter = re.fullmatch(r"(.*)(\.lora_[AB]\.weight)", item[0])
+            if adapter is None:  # not a LoRA matrix of a projection: nothing to replace
+                yield item
+                continue
+            base, side = adapter.groups()
             if base.endswith(".k_proj"):
-                adapted_k[base[: -len("k_proj")] + "v_proj" + side] = item[1]
+                v_proj = base[: -len("k_proj")] + "v_proj"
+                if self._absent_in_hf(v_proj + ".weight"):  # held until that layer's v_proj item, no longer
+                    adapted_k[v_proj + side] = item[1]
             elif self._absent_in_hf(base + ".weight"):
                 if item[0] not in adapted_k:
                     raise ValueError(

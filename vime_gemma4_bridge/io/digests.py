@@ -52,6 +52,7 @@ __all__ = [
     "DIGESTS_FORMAT",
     "DIGESTS_NAME",
     "HF_PREFIX",
+    "NOT_RECORDED",
     "PLACEHOLDER",
     "DamagedCheckpoint",
     "Entry",
@@ -76,6 +77,8 @@ ALGORITHM = "xxh3_128"
 HF_PREFIX = f"{ALGORITHM}:"
 #: What a digest reads as before it is known (same length: the header is rewritten in place).
 PLACEHOLDER = "0" * 32
+#: The expected digest of a tensor whose shard records the others' but not its own (:func:`hf_spans`).
+NOT_RECORDED = "not recorded"
 _clock = [0.0]
 
 
@@ -163,11 +166,14 @@ def digest_spans(spans: Sequence[Span], *, advance: Callable[[], None] = lambda:
 def check_spans(expected: Sequence[tuple[Span, str]], *, advance: Callable[[], None] = lambda: None) -> str | None:
     """The first span (in ``expected``'s order) whose bytes do not hash to its digest, described; None if all do."""
     found = digest_spans([span for span, _ in expected], advance=advance)
-    first = next((span for (span, digest), got in zip(expected, found, strict=True) if got != digest), None)
-    if first is None:
+    bad = next(((span, digest) for (span, digest), got in zip(expected, found, strict=True) if got != digest), None)
+    if bad is None:
         return None
+    first, digest = bad
     if not first.file.is_file():
         return f"{first.file.name} ({first.what}) is missing"
+    if digest == NOT_RECORDED:
+        return f"{first.file.name} ({first.what}) has no digest where its writer recorded one: its header was changed"
     where = "" if first.length is None else f" bytes {first.offset:,}..{first.offset + first.length:,}"
     return f"{first.file.name}{where} ({first.what}) do not match the digest recorded when it was written"
 
@@ -250,7 +256,12 @@ def _what(key: str, chunk: list[int] | None) -> str:
 
 
 def hf_spans(path: Path, shards: Mapping[str, Iterable[str]]) -> list[tuple[Span, str]]:
-    """The recorded (span, digest) pairs of tensors, ``{shard file: tensor names}`` (tensors without one: none)."""
+    """The recorded (span, digest) pairs of tensors, ``{shard file: tensor names}``.
+
+    A shard that records no digest (transformers' writer) gives none. In a shard that records some, a
+    tensor without one gets :data:`NOT_RECORDED`, which no bytes hash to: the writer records every
+    tensor, so a missing entry is a damaged or edited header, and skipping it would switch that
+    tensor's check off."""
     spans = []
     for file, names in shards.items():
         wanted = set(names)
@@ -258,8 +269,9 @@ def hf_spans(path: Path, shards: Mapping[str, Iterable[str]]) -> list[tuple[Span
             size = int.from_bytes(handle.read(8), "little")
             header = json.loads(handle.read(size))
         recorded = header.get("__metadata__") or {}
+        records = any(key.startswith(HF_PREFIX) for key in recorded)
         for name, entry in header.items():
-            digest = recorded.get(HF_PREFIX + name)
+            digest = recorded.get(HF_PREFIX + name) or (NOT_RECORDED if records else None)
             if name in wanted and digest:
                 begin, end = entry["data_offsets"]
                 spans.append((Span(path / file, 8 + size + begin, end - begin, f"tensor {name}"), digest))
