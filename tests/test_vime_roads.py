@@ -47,7 +47,7 @@ def assert_same_checkpoint(source: Path, written: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# The fork double is faithful where the plugin's roads meet the fork
+# The fork double, pinned to the fork's files (tests/fork_seams.py cites each), where the plugin's roads meet it
 # ------------------------------------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ __all__ = ["BenchResult", "RealWidth", "Step", "format_report", "real_width_fiel
 TARGET_CONVERSION_VS_REFERENCE = 1.5
 TARGET_DOUBLING_RATIO = 2.2
 TARGET_LIVE_VS_COPY = 3.0
-#: Issue 37: recording and checking the digests costs under this share of import + export wall time.
+#: Recording and checking the digests costs under this share of import + export wall time: integrity near free.
 TARGET_CHECKSUM_OVERHEAD = 0.05
 #: import / export peak extra RSS at ``--quick``: at most this plus one layer's stacked experts.
 TARGET_PEAK_EXTRA_BASE = 1536 * 10**6
@@ -28,9 +28,9 @@ TARGET_PEAK_DOUBLING = 1.2
 #: per-expert live export peak extra RSS: at most the chunk plus this (one expert, its EP gather, the allocator).
 TARGET_PER_EXPERT_MARGIN = 64 * 10**6
 STEPS = ("reference", "import", "export", "live", "copy")
-#: Issue 35: every rank's peak RSS over its shard bytes (build + load, 8 ranks at real widths).
+#: Every rank's peak RSS over its shard bytes (build + load, 8 ranks at real widths): each rank holds its shard.
 TARGET_RANK_PEAK_OVER_SHARD = 1.5
-#: Issue 35: rank 0's peak over its shard during a round trip, in largest tensors (no whole-model copies).
+#: Rank 0's peak over its shard during a round trip, in largest tensors (no whole-model copies).
 TARGET_ROUNDTRIP_RANK0_EXTRA_TENSORS = 2
 
 

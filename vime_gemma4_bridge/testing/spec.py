@@ -345,7 +345,7 @@ def _pattern(layers: int, period: int) -> tuple[str, ...]:
 
 #: The published members' text models at their real widths and layer counts (the vision tower stays
 #: tiny: conversion copies it). 26B-A4B: google/gemma-4-26B-A4B-it (tests/test_recipes.py holds its
-#: text config); 12B: google/gemma-4-12B @56820d7d as issue 36 quotes it; 31B, E4B, E2B: their
+#: text config); 12B: google/gemma-4-12B @56820d7d's config.json; 31B, E4B, E2B: their
 #: ``config.json`` as public code quotes it (the Hub is not reachable here). RoPE, softcapping and
 #: the per-layer vocabulary are transformers' defaults, which are the published values.
 PUBLISHED: dict[str, TinySpec] = {

@@ -143,7 +143,7 @@ class TensorFiles:
         safetensors maps the file; every page a handle has read stays in this process (its RSS) while
         the handle is open, so one handle per file would end a comparison holding the whole
         checkpoint. A tensor from a handle of its own takes its pages out when it is dropped
-        (``roundtrip``'s rank 0: the source's pages in flight are one tensor's, issue 35).
+        (``roundtrip``'s rank 0: the source's pages in flight are one tensor's).
         """
         from safetensors import safe_open
 
