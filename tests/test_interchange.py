@@ -437,7 +437,8 @@ def test_dense_migrate_to_vime_native_and_its_refusals(local_world, upstream_den
     """31B: ours -> vime-native -> ours is the identity, the native checkpoint one key per layer under its
     names (docs/INTERCHANGE.md) with a float32 ``layer_scalar``. Refused in one line before any rank
     starts: E4B to vime-native (its code builds no per-layer embeddings or KV sharing), a dense checkpoint
-    without ``--hf-checkpoint``, upstream's checkpoint with one key renamed (named) or without one (named)."""
+    without ``--hf-checkpoint``, upstream's and the native checkpoint with one key renamed (named), upstream's
+    without one (named)."""
     import torch
     from test_torch_dist import assert_refused
 
@@ -473,6 +474,13 @@ def test_dense_migrate_to_vime_native_and_its_refusals(local_world, upstream_den
     )
     cases.append(
         (["--load", renamed, "--to", "ours", "--hf-checkpoint", made["hf"]], ("decoder.layers.pre_mlp_norm.weight",))
+    )
+    renamed_native = _rekeyed_copy(native, tmp_path / "renamed_native", lambda key: key.replace("feedforward", "ffn"))
+    cases.append(
+        (
+            ["--load", renamed_native, "--to", "ours", "--hf-checkpoint", made["hf"]],
+            ("post_ffn_layernorm", "in the vime-native layout"),
+        )
     )
     lacking = _rekeyed_copy(made["upstream"], tmp_path / "lacking", lambda key: None if "post_mlp" in key else key)
     cases.append(

@@ -504,6 +504,27 @@ def test_ep8_import_exports_at_tp2pp2_on_4_ranks(local_world, imported_8, tmp_pa
     assert_same_checkpoint(b["hf"], out, ep=8)
 
 
+def _export_beside_a_gpu(load: str, hf_checkpoint: str, output: str, topology: Topology) -> dict:
+    """``export_job`` on gloo ranks of a machine with a GPU: ``torch.cuda.is_available()`` answers True (stood
+    in: this machine has none), and the ranks compute on the CPU (``compat.cuda.on_host``)."""
+    from unittest import mock
+
+    import torch
+
+    with mock.patch.object(torch.cuda, "is_available", lambda: True):
+        return export_job(load, hf_checkpoint, output, topology, False, 10**9)
+
+
+def test_one_consumer_export_on_gloo_ranks_beside_a_gpu(local_world, imported_8, tmp_path: Path) -> None:
+    """At PP2 the one-consumer export receives the other stage's weights into CPU tensors on gloo ranks even
+    where CUDA is available (scripts/gpu_check.sh's export at PP2 with --nproc on a GPU host): it allocated
+    the receive buffer on CUDA whenever CUDA was available, which gloo's ``recv`` refuses."""
+    b = imported_8["B"]
+    out = tmp_path / "B-pp2"
+    local_world(2).run(_export_beside_a_gpu, str(b["save"]), str(b["hf"]), str(out), Topology(pp=2))
+    assert_same_checkpoint(b["hf"], out, ep=8)
+
+
 def test_tp2pp2ep4_import_exports_at_tp1pp1ep2_on_2_ranks(local_world, imported_8, tmp_path: Path) -> None:
     """The acceptance path: sharded output with an index, sources untouched, every tensor bitwise."""
     from vime_gemma4_bridge.io import hf as hf_io

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vime_gemma4_bridge.compat.cuda import on_host
+
 __all__ = ["gathered_to"]
 
 _METHODS = ("broadcast_from_pp_rank", "gather_from_tp_ranks", "gather_from_ep_ranks")
@@ -142,7 +144,8 @@ def _to_consumer_stage(self: Any, tensor: torch.Tensor | None, cache_key: str | 
         raise ValueError(f"{self.megatron_param}: no pipeline stage holds this weight")
     here = self.pp_rank
     if here == consumer.stage and here != source:
-        received = _with_spec(specs[source], "cuda" if torch.cuda.is_available() else "cpu")  # as upstream
+        # on the host (gloo ranks, even beside a GPU) send and recv take CPU tensors: compat.cuda.on_host
+        received = _with_spec(specs[source], "cpu" if on_host() else "cuda")
         dist.recv(received, src=dist.get_global_rank(self.pp_group, source), group=self.pp_group)
         return received
     if here == source and here != consumer.stage:

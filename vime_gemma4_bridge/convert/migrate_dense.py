@@ -315,8 +315,13 @@ class DensePlan:
                 match = OBJECT_SHARD.match(key)
                 if match is None or not model_key.split("/")[0].endswith("._extra_state"):
                     raise ConversionError(f"torch_dist item {key} of {checkpoint.path} is no megatron-core object")
-                offset = _object_at(match)[0]
-                for n, role, place in by_key.get(model_key.split("/")[0], []):
+                offset, found = _object_at(match)[0], by_key.get(model_key.split("/")[0])
+                if found is None:
+                    raise ConversionError(
+                        f"torch_dist item {model_key} is no object of a Gemma 4 dense model in the {self.source} "
+                        "layout (docs/INTERCHANGE.md): the checkpoint holds another model"
+                    )
+                for n, role, place in found:
                     if place.stack is None or offset[0] == place.stack[0]:
                         covered.setdefault(prefix, set()).add((n, role))
                         if (n, role) in target:
