@@ -18,11 +18,22 @@ from vime_gemma4_bridge.verify.roundtrip import roundtrip_job
 from vime_gemma4_bridge.verify.update import verify_update
 
 
-def _gathered_to_rank0_job(hf_checkpoint: str, topology: Topology) -> dict:
-    """Rank 0's export (``export_language_model``, gathered to it) against upstream's all-gathering
-    export run right after it; what the other ranks got; what a second ``gathered_to`` says."""
-    import torch
+def _upstream_functions() -> dict[str, object]:
+    """What the one-consumer export must leave alone: ``MegatronParamMapping``'s attributes, ``torch.distributed``'s."""
+    import torch.distributed as dist
     from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
+
+    return {
+        **{f"MegatronParamMapping.{name}": value for name, value in vars(MegatronParamMapping).items()},
+        **{f"torch.distributed.{name}": value for name, value in vars(dist).items() if callable(value)},
+    }
+
+
+def _gathered_to_rank0_job(hf_checkpoint: str, topology: Topology) -> dict:
+    """Rank 0's export (``export_language_model`` inside ``to_rank0``) against upstream's all-gathering
+    export run right after it; what the other ranks got; what a second ``gathered_to`` says; whether
+    ``MegatronParamMapping`` and ``torch.distributed`` were the same objects while the export ran."""
+    import torch
 
     from vime_gemma4_bridge.compat.gather_to_one import gathered_to
     from vime_gemma4_bridge.convert import model as convert
@@ -33,15 +44,22 @@ def _gathered_to_rank0_job(hf_checkpoint: str, topology: Topology) -> dict:
     init_model_parallel(topology)
     bridge = convert.open_bridge(hf_checkpoint)
     model = convert.loaded_model(bridge, topology)
-    upstream, all_gather = dict(vars(MegatronParamMapping)), torch.distributed.all_gather
+    upstream = _upstream_functions()
     try:
         with gathered_to(0), gathered_to(0):
             pass
         nested = None
     except RuntimeError as error:
         nested = str(error)
-    restored = dict(vars(MegatronParamMapping)) == upstream
-    gathered = {name: tensor.clone() for name, tensor in convert.export_language_model(bridge, model)}
+    changed_while_running: set[str] = set()
+    gathered = {}
+    with convert.to_rank0(bridge, model) as tasks:
+        for name, tensor in convert.export_language_model(bridge, model, tasks):
+            gathered[name] = tensor.clone()
+            now = _upstream_functions()
+            changed_while_running |= {
+                key for key in upstream.keys() | now.keys() if upstream.get(key) is not now.get(key)
+            }
     # Out of the block, upstream's export again: every rank gets every tensor (vime's sync).
     everywhere = {
         item[0]: item[1] for item in in_expert_layout(STACKED, bridge.export_hf_weights(model, show_progress=False))
@@ -57,9 +75,8 @@ def _gathered_to_rank0_job(hf_checkpoint: str, topology: Topology) -> dict:
         if "meta" not in {t.device.type for t in gathered.values()}
         else None,
         "nested": nested,
-        "restored": restored
-        and dict(vars(MegatronParamMapping)) == upstream
-        and torch.distributed.all_gather is all_gather,
+        "changed_while_running": sorted(changed_while_running),
+        "changed_after": sorted(k for k, v in _upstream_functions().items() if upstream.get(k) is not v),
     }
 
 
@@ -73,7 +90,8 @@ def test_export_gathers_to_its_one_consumer(local_world, tmp_path: Path, topolog
     Every other rank gets the same names, shapes and dtypes, and holds none of the gathered tensors
     (UPSTREAM 60): only the TP-replicated ones (norms, router, scalars) it already held, or received as
     the consumer's stage does, are real there. The switch does not nest, and leaves upstream's methods
-    in place after an error and after the export: upstream's export run next is upstream's again."""
+    in place: ``MegatronParamMapping`` and ``torch.distributed`` are the same objects while the export
+    runs and after it, and upstream's export run next is upstream's again."""
     hf = write_tiny_checkpoint(tmp_path / "hf", TinySpec(seed=5))
     results = local_world(8).run(_gathered_to_rank0_job, str(hf), topology)
     first = results[0]
@@ -84,8 +102,8 @@ def test_export_gathers_to_its_one_consumer(local_world, tmp_path: Path, topolog
         assert "meta" in result["devices"] and result["signatures"] == first["signatures"], rank
         assert {family_of(name) for name in result["real"]} <= replicated, (rank, result["real"])
     assert all(result["everywhere_devices"] == ["cpu"] for result in results)
-    assert {result["nested"] for result in results} == {"gathered_to is already active in this process"}
-    assert all(result["restored"] for result in results)
+    assert {result["nested"] for result in results} == {"gathered_to is already active in this context"}
+    assert all(result["changed_while_running"] == [] and result["changed_after"] == [] for result in results)
 
 
 @pytest.mark.slow
@@ -135,15 +153,25 @@ def test_compared_tensors_take_their_pages_with_them(tmp_path: Path) -> None:
 
 
 @pytest.mark.fast
-def test_a_build_without_the_seams_keeps_its_own_export(monkeypatch) -> None:
-    """Feature detection: where ``MegatronParamMapping`` does not define the three collectives itself,
-    ``gathered_to`` swaps nothing and every rank receives the export, as upstream gives it."""
-    from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
+def test_a_build_or_a_mapping_the_one_consumer_export_cannot_take_over_is_refused(monkeypatch) -> None:
+    """Feature detection: a build whose ``MegatronParamMapping`` lacks one of the three collectives, or a
+    conversion task whose mapping (or a delegate it holds) is not the plugin's, is refused in one line
+    naming it, before any collective: the export never half-gathers to one rank."""
+    from megatron.bridge.models.conversion import param_mapping
 
-    from vime_gemma4_bridge.compat.gather_to_one import gathered_to
+    from vime_gemma4_bridge.compat import mappings
+    from vime_gemma4_bridge.compat.gather_to_one import CannotTakeOver, gathered_to
 
-    monkeypatch.delattr(MegatronParamMapping, "gather_from_ep_ranks")
-    before = dict(MegatronParamMapping.__dict__)
-    with gathered_to(0) as receives:
-        assert receives
-        assert dict(MegatronParamMapping.__dict__) == before
+    upstream = param_mapping.AutoMapping("decoder.final_layernorm.weight", "model.norm.weight")
+    ours = mappings.Replicated("decoder.final_layernorm.weight", "model.norm.weight")
+    composite = mappings.ColumnParallelQKVMapping("decoder.layers.0.self_attention.linear_qkv.weight", "q", "k", "v")
+    composite.__dict__["_tp_mapping"] = param_mapping.ColumnParallelMapping("x.weight", "y.weight")
+    for tasks_mappings, named in (([ours, upstream], "AutoMapping"), ([composite], "ColumnParallelMapping")):
+        with pytest.raises(CannotTakeOver, match=f"mapping class\\(es\\) {named} would gather") as refused:
+            with gathered_to(0, tasks_mappings):
+                pass
+        assert "\n" not in str(refused.value)
+    monkeypatch.delattr(param_mapping.MegatronParamMapping, "gather_from_ep_ranks")
+    with pytest.raises(CannotTakeOver, match="MegatronParamMapping has no gather_from_ep_ranks"):
+        with gathered_to(0, [ours]):
+            pass

@@ -283,8 +283,8 @@ def shard_memory_job(hf_checkpoint: str, topology: Topology, roundtrip: bool, qu
         shard = sum(p.numel() * p.element_size() for chunk in model for p in chunk.parameters())
         result: dict[str, Any] = {"start_rss": load.baseline, "load_peak": load.peak, "shard_bytes": shard}
         if roundtrip:
-            with PeakRSS() as check:
+            with PeakRSS() as check, convert.to_rank0(bridge, model) as tasks:
                 source = hf_io.HFCheckpoint(hf_checkpoint)
-                comparison = compare_on_rank0(source, convert.export_language_model(bridge, model), topology)
+                comparison = compare_on_rank0(source, convert.export_language_model(bridge, model, tasks), topology)
             result |= {"roundtrip_peak": check.peak, "identical": comparison is None or comparison.identical}
     return result

@@ -1,4 +1,4 @@
-"""Megatron-Bridge's export delivered to one consuming rank (docs/UPSTREAM.md 60, 61).
+"""Megatron-Bridge's export delivered to one consuming rank, by the plugin's own mapping classes (UPSTREAM 60, 61).
 
 Megatron-Bridge's export (``stream_weights_megatron_to_hf``, 0.6.2) broadcasts every weight over
 PP (``MegatronParamMapping.broadcast_from_pp_rank``, param_mapping.py L346), all-gathers it over
@@ -8,15 +8,18 @@ of the world holds every full tensor, twice for a moment. That is what vime's we
 (``roundtrip`` compares on rank 0, ``export`` and ``export-live`` write there) pays it on every
 rank: at 26B-A4B's widths on 8 ranks, about 43 GB for a 24 GB host.
 
-:func:`gathered_to` swaps those three methods on ``MegatronParamMapping`` for the duration of such
-a command's export only (restored on exit, never entered by vime's sync or the bridge for other
-models): the same collectives' data flow, delivered to the ranks that feed the consumer:
+:class:`ToOneConsumer` is a mixin of the plugin's mapping classes (compat/mappings.py, the only
+mappings the Gemma 4 bridge builds): inside :func:`gathered_to`, a ``ContextVar`` the job enters,
+its three collectives deliver to the ranks that feed the consumer; outside it (vime's and miles'
+sync, every other model's bridge) they are upstream's, untouched. Nothing of upstream is replaced:
 
-* PP: the owning stage sends its shard to the consumer's stage only (``send`` / ``recv``);
+* PP: the owning stage sends its shard to the consumer's stage only (``send`` / ``recv``; the
+  buffer where :func:`~vime_gemma4_bridge.compat.cuda.on_host` says: gloo takes CPU tensors only);
 * TP / ETP: the shards are gathered (``dist.gather``) to the one member that feeds the consumer:
   the consumer itself, or, for an expert weight, the member of the consumer's EP group;
-* EP: the build's own ``gather_from_ep_ranks`` (its expert names and stacking), its ``all_gather``
-  made a gather to the consumer for the span of that call.
+* EP: upstream's naming of the gathered experts (param_mapping.py L727-819: ``num_experts_per_rank``
+  broadcast over PP, the local index from ``extract_expert_number_from_param``, ``local + k ·
+  per_rank`` for EP rank ``k``, stacked and squeezed as there), the tensors gathered to the consumer.
 
 Every other rank gets shape-only (``meta``) tensors of the same shapes and dtypes, so the rest of
 the export (splits, concatenations, the expert stacks, the tied and padding hooks) runs unchanged
@@ -28,7 +31,9 @@ published widths at TP2·PP2·EP4 on 8 ranks.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +42,10 @@ import torch.distributed as dist
 
 from vime_gemma4_bridge.compat.cuda import on_host
 
-__all__ = ["gathered_to"]
+__all__ = ["ToOneConsumer", "gathered_to", "receives_export"]
 
-_METHODS = ("broadcast_from_pp_rank", "gather_from_tp_ranks", "gather_from_ep_ranks")
+#: What the mixin takes over: each must be a method of the build's ``MegatronParamMapping``.
+COLLECTIVES = ("broadcast_from_pp_rank", "gather_from_tp_ranks", "gather_from_ep_ranks")
 
 
 @dataclass(frozen=True)
@@ -51,45 +57,58 @@ class _Consumer:
     ep_ranks: frozenset[int]
 
 
-_active: _Consumer | None = None
-_originals: dict[str, Any] = {}  # the build's own methods, while swapped
+_consumer: ContextVar[_Consumer | None] = ContextVar("vime_gemma4_bridge_export_consumer", default=None)
+
+
+class CannotTakeOver(RuntimeError):
+    """A mapping of this build would gather to every rank: the one-consumer export refuses rather than half-apply."""
 
 
 @contextlib.contextmanager
-def gathered_to(rank: int) -> Iterator[bool]:
-    """Within this block, Megatron-Bridge's export delivers to global ``rank`` alone (collective: every rank enters).
+def gathered_to(rank: int, mappings: Iterable[Any] = ()) -> Iterator[bool]:
+    """Within this block, the plugin's mappings deliver the export to global ``rank`` alone (collective).
 
-    Yields whether this rank receives the export's tensors: export with ``cpu=`` that value, since the
-    other ranks' tensors are shape-only and cannot be copied.
-    A build whose ``MegatronParamMapping`` does not define the three methods itself (feature detection;
-    0.6.2 and vime's fork both do) keeps its own export: correct, at upstream's memory.
+    Yields whether this rank receives the export's tensors (:func:`receives_export` says the same):
+    export with ``cpu=`` that value, since the other ranks' tensors are shape-only and cannot be copied.
+    ``mappings`` (the bridge's mapping registry) are checked first: one that is not the plugin's,
+    or a build whose ``MegatronParamMapping`` lacks one of :data:`COLLECTIVES` (feature detection),
+    is refused with :class:`CannotTakeOver`, naming it.
     """
-    global _active
     from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
     from megatron.core import parallel_state
 
-    if _active is not None:
-        raise RuntimeError("gathered_to is already active in this process")
-    if not all(callable(MegatronParamMapping.__dict__.get(name)) for name in _METHODS):
-        yield True  # a build without these seams: its own export, every rank getting every tensor
-        return
+    if _consumer.get() is not None:
+        raise RuntimeError("gathered_to is already active in this context")
+    missing = [name for name in COLLECTIVES if not callable(getattr(MegatronParamMapping, name, None))]
+    if missing:
+        raise CannotTakeOver(
+            f"this Megatron-Bridge build's MegatronParamMapping has no {', '.join(missing)}: the export to one "
+            "rank cannot take its mappings over; use a release that has them (0.6.2 and vime's fork do)"
+        )
+    # each mapping and the mappings it holds (a composite's delegates: QKV's, the gated experts')
+    parts = [part for m in mappings for part in (m, *vars(m).values()) if isinstance(part, MegatronParamMapping)]
+    foreign = sorted({type(part).__name__ for part in parts if not isinstance(part, ToOneConsumer)})
+    if foreign:
+        raise CannotTakeOver(
+            f"mapping class(es) {', '.join(foreign)} would gather every tensor to every rank: the export to one "
+            "rank takes over the plugin's mapping classes only (compat/mappings.py)"
+        )
     box = [
         (parallel_state.get_pipeline_model_parallel_rank(), _ranks(parallel_state.get_expert_model_parallel_group()))
     ]
     dist.broadcast_object_list(box, src=rank)
     stage, ep_ranks = box[0]
-    _originals.update({name: MegatronParamMapping.__dict__[name] for name in _METHODS})
-    _active = _Consumer(rank, stage, frozenset(ep_ranks))
-    MegatronParamMapping.broadcast_from_pp_rank = _to_consumer_stage
-    MegatronParamMapping.gather_from_tp_ranks = _tp_gathered_to_consumer
-    MegatronParamMapping.gather_from_ep_ranks = _ep_gathered_to_consumer
+    token = _consumer.set(_Consumer(rank, stage, frozenset(ep_ranks)))
     try:
         yield dist.get_rank() == rank
     finally:
-        for name, method in _originals.items():
-            setattr(MegatronParamMapping, name, method)
-        _originals.clear()
-        _active = None
+        _consumer.reset(token)
+
+
+def receives_export() -> bool:
+    """Whether this rank gets real tensors from the export: always outside :func:`gathered_to`."""
+    consumer = _consumer.get()
+    return consumer is None or dist.get_rank() == consumer.rank
 
 
 def _ranks(group: Any) -> tuple[int, ...]:
@@ -123,45 +142,13 @@ def _shape_only(like: torch.Tensor) -> torch.Tensor:
     return _with_spec(_spec(like), "meta")
 
 
-def _to_consumer_stage(self: Any, tensor: torch.Tensor | None, cache_key: str | None = None) -> torch.Tensor:
-    """``broadcast_from_pp_rank`` delivering to the consumer's stage: the first owning stage sends there.
-
-    The source is upstream's (the lowest stage that holds the weight: tied embeddings are held twice);
-    the stages' specs are exchanged and cached as upstream does (``_tensor_spec_output_cache``).
-    """
-    consumer = _active
-    assert consumer is not None
-    if self.pp_size == 1:
-        return tensor
-    cache = self.__dict__.setdefault("_tensor_spec_output_cache", {})
-    specs = cache.get(cache_key) if cache_key is not None else None
-    if specs is None:
-        specs = [None] * self.pp_size
-        dist.all_gather_object(specs, _spec(tensor), group=self.pp_group)
-        cache[cache_key] = specs
-    source = next((stage for stage, spec in enumerate(specs) if spec is not None), None)
-    if source is None:
-        raise ValueError(f"{self.megatron_param}: no pipeline stage holds this weight")
-    here = self.pp_rank
-    if here == consumer.stage and here != source:
-        # on the host (gloo ranks, even beside a GPU) send and recv take CPU tensors: compat.cuda.on_host
-        received = _with_spec(specs[source], "cpu" if on_host() else "cuda")
-        dist.recv(received, src=dist.get_global_rank(self.pp_group, source), group=self.pp_group)
-        return received
-    if here == source and here != consumer.stage:
-        dist.send(tensor.contiguous(), dst=dist.get_global_rank(self.pp_group, consumer.stage), group=self.pp_group)
-    return tensor if here in (source, consumer.stage) else _with_spec(specs[source], "meta")
-
-
-def _feeding_member(group: Any, expert: bool) -> int | None:
+def _feeding_member(consumer: _Consumer, group: Any, expert: bool) -> int | None:
     """The global rank of ``group`` whose gathered value reaches the consumer, or ``None``.
 
     A TP group feeds the consumer through the consumer itself; an expert TP group through the member
     that is in the consumer's EP group (that member's value is EP-gathered to the consumer next; expert
     TP and EP groups meet in one rank at most).
     """
-    consumer = _active
-    assert consumer is not None
     members = _ranks(group)
     if consumer.rank in members:
         return consumer.rank
@@ -180,37 +167,73 @@ def _gathered(tensor: torch.Tensor, group: Any, size: int, destination: int | No
     return gathered
 
 
-def _tp_gathered_to_consumer(self: Any, tensor: torch.Tensor) -> list[torch.Tensor]:
-    """``gather_from_tp_ranks`` gathering to the member that feeds the consumer (list in TP-rank order)."""
-    if self.tp_size == 1:
-        return [tensor]
-    return _gathered(tensor, self.tp_group, self.tp_size, _feeding_member(self.tp_group, expert=self.is_expert))
+class ToOneConsumer:
+    """Mixin (before the upstream mapping class): its export collectives deliver to :func:`gathered_to`'s rank.
 
-
-def _ep_gathered_to_consumer(
-    self: Any, megatron_weights: torch.Tensor, megatron_module: Any, hf_param_name: Any
-) -> dict[str, torch.Tensor]:
-    """The build's own ``gather_from_ep_ranks`` (its expert names and stacking, whatever they are), its one
-    ``all_gather`` made a ``dist.gather`` to the consumer for the span of the call.
-
-    The consumer's method gets its real weight and fills its list; the others' get a shape-only one
-    (so their lists, stacks and names cost nothing) and send their real weight from here.
+    Outside :func:`gathered_to` each method is upstream's own (``super()``).
     """
-    consumer = _active
-    assert consumer is not None
-    original = _originals["gather_from_ep_ranks"]
-    if self.ep_size == 1:
-        return original(self, megatron_weights, megatron_module, hf_param_name)
-    destination = consumer.rank if consumer.rank in _ranks(self.ep_group) else None
-    receives = dist.get_rank() == destination
 
-    def gather_to_consumer(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, **_: Any) -> None:
-        if destination is not None:
-            dist.gather(megatron_weights.contiguous(), tensor_list if receives else None, dst=destination, group=group)
+    def broadcast_from_pp_rank(self, tensor: torch.Tensor | None, cache_key: str | None = None) -> Any:
+        """Upstream's PP broadcast, or, for one consumer, the first owning stage sending to the consumer's stage.
 
-    all_gather, dist.all_gather = dist.all_gather, gather_to_consumer
-    try:
-        weights = megatron_weights if receives else _shape_only(megatron_weights)
-        return original(self, weights, megatron_module, hf_param_name)
-    finally:
-        dist.all_gather = all_gather
+        The source is upstream's (the lowest stage that holds the weight: tied embeddings are held twice);
+        the stages' specs are exchanged and cached as upstream does (``_tensor_spec_output_cache``).
+        """
+        consumer = _consumer.get()
+        if consumer is None or self.pp_size == 1:
+            return super().broadcast_from_pp_rank(tensor, cache_key)
+        cache = self.__dict__.setdefault("_tensor_spec_output_cache", {})
+        specs = cache.get(cache_key) if cache_key is not None else None
+        if specs is None:
+            specs = [None] * self.pp_size
+            dist.all_gather_object(specs, _spec(tensor), group=self.pp_group)
+            cache[cache_key] = specs
+        source = next((stage for stage, spec in enumerate(specs) if spec is not None), None)
+        if source is None:
+            raise ValueError(f"{self.megatron_param}: no pipeline stage holds this weight")
+        here = self.pp_rank
+        if here == consumer.stage and here != source:
+            received = _with_spec(specs[source], "cpu" if on_host() else "cuda")
+            dist.recv(received, src=dist.get_global_rank(self.pp_group, source), group=self.pp_group)
+            return received
+        if here == source and here != consumer.stage:
+            dist.send(tensor.contiguous(), dst=dist.get_global_rank(self.pp_group, consumer.stage), group=self.pp_group)
+        return tensor if here in (source, consumer.stage) else _with_spec(specs[source], "meta")
+
+    def gather_from_tp_ranks(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Upstream's TP all-gather, or, for one consumer, a gather to the member that feeds it (TP-rank order)."""
+        consumer = _consumer.get()
+        if consumer is None or self.tp_size == 1:
+            return super().gather_from_tp_ranks(tensor)
+        destination = _feeding_member(consumer, self.tp_group, expert=self.is_expert)
+        return _gathered(tensor, self.tp_group, self.tp_size, destination)
+
+    def gather_from_ep_ranks(
+        self, megatron_weights: torch.Tensor, megatron_module: Any, hf_param_name: Any
+    ) -> dict[str, torch.Tensor]:
+        """Upstream's EP gather, or, for one consumer, upstream's expert names with the tensors gathered to it.
+
+        The names, the stacking of a name given twice and the final ``squeeze`` are upstream's
+        (param_mapping.py L779-819 at 0.6.2; the fork's at d063066b are the same at EP > 1).
+        """
+        from megatron.bridge.utils.common_utils import extract_expert_number_from_param
+
+        consumer = _consumer.get()
+        if consumer is None or self.ep_size == 1:
+            return super().gather_from_ep_ranks(megatron_weights, megatron_module, hf_param_name)
+        per_rank = (
+            None if megatron_module is None else self._get_config(megatron_module).num_moe_experts // self.ep_size
+        )
+        per_rank = self.broadcast_obj_from_pp_rank(per_rank, "num_experts_per_rank")
+        local = extract_expert_number_from_param(self.megatron_param) % per_rank
+        names = [
+            re.sub(r"experts\.(\d+)", f"experts.{int(local) + per_rank * k}", str(hf_param_name))
+            for k in range(self.ep_size)
+        ]
+        destination = consumer.rank if consumer.rank in _ranks(self.ep_group) else None
+        gathered = _gathered(megatron_weights, self.ep_group, self.ep_size, destination)
+        stacked: dict[str, torch.Tensor] = {}
+        for name, weight in zip(names, gathered, strict=True):
+            one = weight.unsqueeze(0)
+            stacked[name] = torch.cat([stacked[name], one], dim=0) if name in stacked else one
+        return {name: weight.squeeze() for name, weight in stacked.items()}

@@ -26,18 +26,24 @@ concatenation is the weight itself, so the variant hands the weight over as is; 
 export then copies it once, into its layer's stacked tensor. Anything else (a gather, a quantized
 weight, permuted dims) takes upstream's path. The parallel sizes come from megatron-core's parallel
 state, which every build keeps (the fork's mappings hold no process groups of their own).
+
+Every class here, and every delegate one of them builds (``AutoMapping``'s column / row / replicated
+mapping, the experts' gated mapping), is a :class:`~vime_gemma4_bridge.compat.gather_to_one.ToOneConsumer`:
+inside ``gathered_to`` its export collectives deliver to one rank; outside, they are upstream's.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from megatron.bridge.models.conversion import param_mapping
 from torch import nn
 
+from vime_gemma4_bridge.compat.gather_to_one import ToOneConsumer
 
-class ReplicatedMapping(param_mapping.ReplicatedMapping):
+
+class ReplicatedMapping(ToOneConsumer, param_mapping.ReplicatedMapping):
     """Upstream ``ReplicatedMapping`` that also loads into CPU parameters at TP > 1."""
 
     def hf_to_megatron(self, hf_weights: torch.Tensor, megatron_module: nn.Module) -> torch.Tensor:
@@ -51,17 +57,45 @@ class ReplicatedMapping(param_mapping.ReplicatedMapping):
         return self.broadcast_tensor_to_tp_ranks(hf_weights, src_rank=0)
 
 
-class AutoMapping(param_mapping.AutoMapping):
-    """Upstream ``AutoMapping`` whose replicated delegate is the CPU-safe :class:`ReplicatedMapping`."""
+class ColumnParallelMapping(ToOneConsumer, param_mapping.ColumnParallelMapping):
+    """Upstream ``ColumnParallelMapping``, the column delegate of the plugin's ``AutoMapping`` classes."""
+
+
+class RowParallelMapping(ToOneConsumer, param_mapping.RowParallelMapping):
+    """Upstream ``RowParallelMapping``, the row delegate of the plugin's ``AutoMapping`` classes."""
+
+
+class GatedMLPMapping(ToOneConsumer, param_mapping.GatedMLPMapping):
+    """Upstream ``GatedMLPMapping`` (the dense MLP's and the shared expert's fused gate and up projections)."""
+
+
+class OwnDelegates:
+    """Mixin for an ``AutoMapping`` (or subclass): the delegate it builds at run time is the plugin's class.
+
+    Upstream's ``_get_or_create_mapping`` builds upstream's column / row / replicated mapping, whose
+    export collectives the one-consumer export could not take over, and whose replicated load moves
+    a CPU parameter to CUDA. Seam: 0.6.2 keeps the process-group collection on each mapping
+    (``_pg_collection``) and hands it to the delegate; the fork keeps none.
+    """
+
+    _delegates: ClassVar[dict[str, type]] = {
+        "column": ColumnParallelMapping,
+        "row": RowParallelMapping,
+        "replicated": ReplicatedMapping,
+    }
 
     def _get_or_create_mapping(self, parallelism_type: str) -> param_mapping.MegatronParamMapping:
-        if parallelism_type != "replicated":
+        if parallelism_type not in self._delegates:
             return super()._get_or_create_mapping(parallelism_type)
-        mapping = ReplicatedMapping(self.megatron_param, self.hf_param)
+        mapping = self._delegates[parallelism_type](self.megatron_param, self.hf_param)
         pg_collection = getattr(self, "_pg_collection", None)
         if pg_collection is not None:
             mapping.set_process_groups_from_pg_collection(pg_collection)
         return mapping
+
+
+class AutoMapping(OwnDelegates, ToOneConsumer, param_mapping.AutoMapping):
+    """Upstream ``AutoMapping`` whose delegates are the plugin's (CPU-safe, deliverable to one consumer)."""
 
 
 class StatedParallelism:
@@ -99,7 +133,7 @@ class Replicated(StatedAutoMapping):
     parallelism = "replicated"
 
 
-class ColumnParallelQKVMapping(param_mapping.QKVMapping):
+class ColumnParallelQKVMapping(ToOneConsumer, param_mapping.QKVMapping):
     """Upstream ``QKVMapping`` whose TP delegate is column-parallel by statement (a fused QKV always is).
 
     Upstream delegates to an ``AutoMapping`` that detects the parallelism from the module's class
@@ -113,13 +147,17 @@ class ColumnParallelQKVMapping(param_mapping.QKVMapping):
         self._tp_mapping = ColumnParallel(megatron_param, megatron_param)
 
 
-class RowParallelFusedExpertMapping(StatedParallelism, param_mapping.FusedExpertMapping):
+class RowParallelFusedExpertMapping(StatedParallelism, OwnDelegates, ToOneConsumer, param_mapping.FusedExpertMapping):
     """Upstream ``FusedExpertMapping`` for a row-parallel expert weight (``linear_fc2``), stated, not detected."""
 
     parallelism = "row"
 
 
-class FusedGatedExpertMapping(StatedParallelism, param_mapping.FusedGatedExpertMapping):
+class _GatedExpertDelegate(ToOneConsumer, param_mapping._LooseGatedMLPMapping):
+    """Upstream's gated delegate of ``FusedGatedExpertMapping`` (name validation loosened for expert names)."""
+
+
+class FusedGatedExpertMapping(StatedParallelism, ToOneConsumer, param_mapping.FusedGatedExpertMapping):
     """Upstream ``FusedGatedExpertMapping`` without the split and re-concatenation when nothing is gathered.
 
     Column-parallel by statement: upstream converts through its gated delegate, but the class is
@@ -127,6 +165,13 @@ class FusedGatedExpertMapping(StatedParallelism, param_mapping.FusedGatedExpertM
     """
 
     parallelism = "column"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # upstream's __init__ builds its gated delegate as param_mapping.py L2981-2985 (0.6.2) does here
+        self._gated_mapping = _GatedExpertDelegate(
+            megatron_param=self.megatron_param, gate=f"{self.hf_param}.gate", up=f"{self.hf_param}.up"
+        )
 
     def megatron_to_hf(
         self, megatron_weights: torch.Tensor | None, megatron_module: nn.Module | None

@@ -18,6 +18,7 @@ difference is detected from the code itself, never from a version string:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Iterable, Iterator
 from functools import cache
@@ -93,28 +94,33 @@ def with_grouped_names(stream: Iterable[Any], bridge: Any) -> Iterator[Any]:
         yield item
 
 
-def peft_reads_module_attributes() -> None:
-    """Let Megatron-Bridge's LoRA transform take a linear that states its own adapter attributes.
+@contextlib.contextmanager
+def peft_reads_module_attributes() -> Iterator[None]:
+    """Within this block, Megatron-Bridge's LoRA transform takes a linear that states its own adapter attributes.
 
     ``peft/lora.py`` (0.6.2; the fork alike) asks ``get_adapter_attributes_from_linear``, which knows
     megatron-core's and TE's linears only and raises for any other (the CPU twins of TE's grouped
     expert linears, ``core/cpu_modules``). A module with an ``adapter_attributes()`` method is described
-    by it; every other module goes to upstream's function unchanged (UPSTREAM 56). Idempotent.
+    by it; every other module goes to upstream's function unchanged (UPSTREAM 56). The transform reads
+    that name from its module's globals at each call, so no subclass or argument reaches it: the name
+    is rebound for the block only (the provider's pre-wrap hooks, where a LoRA transform runs) and
+    upstream's function is back on exit, whatever happened.
     """
     from megatron.bridge.peft import lora
     from megatron.bridge.peft.utils import AdapterAttributes
 
     upstream = lora.get_adapter_attributes_from_linear
-    if getattr(upstream, "reads_module_attributes", False):
-        return
 
     def described(module: Any, *args: Any, **kwargs: Any) -> Any:
         if hasattr(module, "adapter_attributes"):
             return AdapterAttributes(**module.adapter_attributes())
         return upstream(module, *args, **kwargs)
 
-    described.reads_module_attributes = True
     lora.get_adapter_attributes_from_linear = described
+    try:
+        yield
+    finally:
+        lora.get_adapter_attributes_from_linear = upstream
 
 
 def build_kind() -> str:

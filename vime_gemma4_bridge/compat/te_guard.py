@@ -99,6 +99,11 @@ class _GuardFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+def is_placeholder(value: object) -> bool:
+    """Whether ``value`` is what a guarded module's ``import transformer_engine...`` bound instead of TE."""
+    return isinstance(value, _AbsentTE)
+
+
 def te_available() -> bool:
     """Whether Transformer Engine's PyTorch package can be imported here."""
     try:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from vime_gemma4_bridge.compat.gather_to_one import gathered_to
+from vime_gemma4_bridge.compat.gather_to_one import receives_export
 from vime_gemma4_bridge.convert.fp8 import check_quantize, config_fields, quantize_stream, vllm_block_misfits
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.core.hf_layout import PER_EXPERT, STACKED, check_expert_layout, stack_of
@@ -158,6 +158,7 @@ def export_live_job(
     from vime_gemma4_bridge.convert import model as convert
     from vime_gemma4_bridge.convert.integrity import verify_sources
     from vime_gemma4_bridge.convert.topology import init_model_parallel
+    from vime_gemma4_bridge.core.tied import check_tied_embeddings
 
     init_model_parallel(topology)
     verify_sources(hf_checkpoint)  # the digests it records, before its bytes are used
@@ -171,8 +172,16 @@ def export_live_job(
         with atomic_directory(out, replace=force) if writer else contextlib.nullcontext() as tmp:
             files: list[tuple[str, list[str], int]] = []
             start = time.perf_counter()
-            with gathered_to(0) as receives:  # rank 0 writes: the export gathers to it alone (UPSTREAM 60)
-                stream = iter_hf_weights(bridge, model, cpu=receives, expert_layout=expert_layout, quantize=quantize)
+            check_tied_embeddings(model)  # what iter_hf_weights checks when it builds the tasks itself
+            with convert.to_rank0(bridge, model) as tasks:  # rank 0 writes: the export gathers to it alone
+                stream = iter_hf_weights(
+                    bridge,
+                    model,
+                    cpu=receives_export(),
+                    conversion_tasks=tasks,
+                    expert_layout=expert_layout,
+                    quantize=quantize,
+                )
                 for index, chunk in enumerate(chunk_by_bytes(stream, buffer_size), start=1):
                     if tmp is None:
                         continue

@@ -8,6 +8,7 @@ bridge registered.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from vime_gemma4_bridge.compat.cuda import on_host
-from vime_gemma4_bridge.compat.gather_to_one import gathered_to
+from vime_gemma4_bridge.compat.gather_to_one import gathered_to, receives_export
 from vime_gemma4_bridge.convert.cpu_host import provide_model
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.core.hf_layout import STACKED
@@ -75,39 +76,46 @@ def is_rank0() -> bool:
     return dist.get_rank() == 0
 
 
-def export_language_model(
-    bridge: Any, model: list[torch.nn.Module], conversion_tasks: list | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Megatron-Bridge's export (all ranks take part) delivered to rank 0, as ``(hf_name, tensor)`` on CPU there;
-    no name twice.
+@contextlib.contextmanager
+def to_rank0(bridge: Any, model: list[torch.nn.Module], conversion_tasks: list | None = None) -> Iterator[list]:
+    """The job's one-consumer export: within the block the export gathers to rank 0 alone (collective).
 
-    Rank 0 is the one consumer (it compares or writes): the export gathers to it alone, and the
-    other ranks get the same names with shape-only tensors (``compat/gather_to_one``, UPSTREAM 60).
-    ``conversion_tasks`` restricts it to those of Megatron-Bridge's tasks (default: all of them). The
-    experts come stacked, as the checkpoint stores them, whatever the live sync's switch says.
+    Yields the conversion tasks to export with (``conversion_tasks``, default: all of the bridge's):
+    their mappings are the ones taken over (``compat/gather_to_one``, UPSTREAM 60), so a mapping
+    that is not the plugin's is refused before any tensor moves. The other ranks get the same names
+    with shape-only tensors. Outside the block the export is upstream's again (vime's and miles' sync).
+    """
+    tasks = conversion_tasks if conversion_tasks is not None else bridge.get_conversion_tasks(model)
+    with gathered_to(0, (task.mapping for task in tasks if task is not None)):
+        yield tasks
+
+
+def export_language_model(bridge: Any, model: list[torch.nn.Module], tasks: list) -> Iterator[tuple[str, torch.Tensor]]:
+    """Megatron-Bridge's export of ``tasks`` (all ranks take part), as ``(hf_name, tensor)``; no name twice.
+
+    Run inside :func:`to_rank0` (which gives ``tasks``): rank 0 then gets CPU tensors and the other
+    ranks shape-only ones. The experts come stacked, as the checkpoint stores them, whatever the
+    live sync's switch says.
     """
     from vime_gemma4_bridge.core.bridge import in_expert_layout
 
     seen: set[str] = set()
-    with gathered_to(0) as receives:
-        exported = bridge.export_hf_weights(
-            model, cpu=receives, show_progress=is_rank0(), conversion_tasks=conversion_tasks
-        )
-        for item in in_expert_layout(STACKED, exported):
-            name, tensor = item[0], item[1]
-            if name in seen:
-                raise ValueError(f"export produced {name!r} twice; a mapping is duplicated")
-            seen.add(name)
-            yield name, tensor
+    exported = bridge.export_hf_weights(model, cpu=receives_export(), show_progress=is_rank0(), conversion_tasks=tasks)
+    for item in in_expert_layout(STACKED, exported):
+        name, tensor = item[0], item[1]
+        if name in seen:
+            raise ValueError(f"export produced {name!r} twice; a mapping is duplicated")
+        seen.add(name)
+        yield name, tensor
 
 
 def collect_on_rank0(
     bridge: Any, model: list[torch.nn.Module], conversion_tasks: list | None = None
 ) -> dict[str, torch.Tensor]:
-    """Run the export on every rank and keep the tensors on rank 0 only (others get ``{}``)."""
+    """Run the export to rank 0 on every rank and keep its tensors there (others get ``{}``)."""
     keep = is_rank0()
-    exported = export_language_model(bridge, model, conversion_tasks)
-    return {name: tensor.clone() for name, tensor in exported if keep}
+    with to_rank0(bridge, model, conversion_tasks) as tasks:
+        return {name: tensor.clone() for name, tensor in export_language_model(bridge, model, tasks) if keep}
 
 
 def broadcast_from_rank0(obj: Any) -> Any:

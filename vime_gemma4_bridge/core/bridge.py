@@ -31,7 +31,6 @@ import torch
 import transformers
 from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
 from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge, register_bridge_implementation
-from megatron.bridge.models.conversion.param_mapping import GatedMLPMapping
 from megatron.bridge.models.conversion.utils import persistent_buffers
 from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -40,6 +39,7 @@ from vime_gemma4_bridge.compat.mappings import (
     ColumnParallel,
     ColumnParallelQKVMapping,
     FusedGatedExpertMapping,
+    GatedMLPMapping,
     Replicated,
     RowParallel,
     RowParallelFusedExpertMapping,

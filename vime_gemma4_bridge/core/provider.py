@@ -92,7 +92,6 @@ class Gemma4TextModelProvider(GPTModelProvider):
         super().finalize()
 
     def provide(self, pre_process: bool | None = None, post_process: bool | None = None, vp_stage: int | None = None):
-        seams.peft_reads_module_attributes()  # a LoRA hook may wrap the CPU twins of TE's expert linears next
         model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
         model.rotary_pos_emb = Gemma4RotaryEmbedding(
             head_dim=self.kv_channels,
@@ -118,7 +117,9 @@ class Gemma4TextModelProvider(GPTModelProvider):
             return None
 
         def then_gemma4_adapters(model: list) -> list:
-            return with_gemma4_adapters(hooks(model))
+            with seams.peft_reads_module_attributes():  # a LoRA hook may wrap the CPU twins of TE's expert linears
+                model = hooks(model)
+            return with_gemma4_adapters(model)
 
         return then_gemma4_adapters
 

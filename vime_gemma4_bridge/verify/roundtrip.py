@@ -33,6 +33,7 @@ def roundtrip_job(
         is_rank0,
         loaded_model,
         open_bridge,
+        to_rank0,
     )
     from vime_gemma4_bridge.convert.topology import init_model_parallel
     from vime_gemma4_bridge.io import hf as hf_io
@@ -45,9 +46,12 @@ def roundtrip_job(
     with contextlib.redirect_stdout(sys.stderr):  # megatron-core's and the bridge's chatter: stdout is the report's
         bridge = open_bridge(hf_checkpoint)
         model = loaded_model(bridge, topology)
-        # --output keeps the export (it is written once proven identical).
-        exported = collect_on_rank0(bridge, model) if output is not None else export_language_model(bridge, model)
-        comparison = compare_on_rank0(source, exported, topology)
+        if output is not None:  # --output keeps the export (it is written once proven identical)
+            exported = collect_on_rank0(bridge, model)
+            comparison = compare_on_rank0(source, exported, topology)
+        else:
+            with to_rank0(bridge, model) as tasks:
+                comparison = compare_on_rank0(source, export_language_model(bridge, model, tasks), topology)
     if is_rank0():
         result = comparison.as_dict()
         result["report"] = report.format_report(comparison, f"round trip at {topology}")
