@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from vllm_names import coverage, with_scales
 
 from vime_gemma4_bridge.convert.fp8 import (
     BLOCK,
@@ -27,7 +26,7 @@ from vime_gemma4_bridge.convert.fp8 import (
     quantize_stream,
     quantized_checkpoint,
 )
-from vime_gemma4_bridge.core.hf_layout import STACK_NAME, split_expert, stack_of, text_config_dict
+from vime_gemma4_bridge.core.hf_layout import STACK_NAME, split_expert, stack_of
 from vime_gemma4_bridge.io.hf import HFCheckpoint, LazyTensor
 from vime_gemma4_bridge.testing.spec import TinySpec
 from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
@@ -185,36 +184,6 @@ def test_doctor_reads_a_per_expert_checkpoint(hf_vl: Path, tmp_path: Path) -> No
     status, _, report = diagnose(hf_vl, checkpoint(tmp_path / "dup", list(copy.items()) + others))
     assert status == 1 and report["causes"][0]["kind"] == "expert-duplicate"
     assert "layer 3 expert 15 is a copy of expert 3" in report["causes"][0]["message"]
-
-
-# ----------------------------------------------------------------------------- vLLM's naming rules
-
-
-def test_vllm_oracle_loads_the_stacked_checkpoint_once_each(hf_vl: Path) -> None:
-    """The oracle itself: the HF checkpoint vLLM serves today loads every expert shard once, nothing twice."""
-    source = HFCheckpoint(hf_vl)
-    text = text_config_dict(source.config)
-    shapes = {n: s for n, (s, _) in source.signatures(source.language_model_names()).items()}
-    loaded = coverage(shapes.items(), text)
-    assert all(len(names) == 1 for names in loaded.values()), [t for t, n in loaded.items() if len(n) > 1]
-    experts = text["num_experts"]
-    for layer in range(text["num_hidden_layers"]):
-        w13 = {(s, e) for (p, s, e) in loaded if p == f"layers.{layer}.moe.experts.w13_weight"}
-        assert w13 == {(s, e) for s in ("w1", "w3") for e in range(experts)}
-        assert (f"layers.{layer}.layer_scalar", None, None) in loaded
-
-
-def test_per_expert_and_fp8_names_load_as_the_stacked_checkpoint_does(hf_vl: Path) -> None:
-    source = HFCheckpoint(hf_vl)
-    text = text_config_dict(source.config)
-    reference = set(coverage(((n, s) for n, (s, _) in source.signatures(source.language_model_names()).items()), text))
-    per_expert = per_expert_stream(source)
-    loaded = coverage(((n, t.shape) for n, t in per_expert), text)
-    assert set(loaded) == reference and all(len(names) == 1 for names in loaded.values())
-    fp8 = [(n, t) for n, t, _ in quantize_stream((n, t, "") for n, t in per_expert)]
-    loaded = coverage(((n, t.shape) for n, t in fp8), text)
-    assert set(loaded) == with_scales(reference) and all(len(names) == 1 for names in loaded.values())
-    assert with_scales(reference) != reference
 
 
 # ------------------------------------------------------------------------------ FP8 checkpoints

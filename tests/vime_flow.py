@@ -73,7 +73,10 @@ def replace_task_weights(tasks: list, weights: dict[str, torch.Tensor]) -> LazyT
 
 
 def chunks(named: Iterable[tuple[str, torch.Tensor]], size: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """vime's ``chunk_named_params_by_size``: close a bucket when it would reach ``size``."""
+    """vime's ``chunk_named_params_by_size`` (vllm-project/vime@397a8429 ``vime/utils/misc.py``, its
+    ``_chunk_by_size``): a bucket is yielded when it is not empty and its bytes plus the next tensor's
+    ``nbytes`` reach ``size`` (``>=``); the last bucket is yielded if not empty. The one statement of
+    the rule on the test side: tests/test_live.py checks the plugin's ``chunk_by_bytes`` against it."""
     bucket: list[tuple[str, torch.Tensor]] = []
     total = 0
     for item in named:
