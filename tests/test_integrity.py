@@ -125,7 +125,16 @@ def test_intact_checkpoints_verify_and_the_format_needs_only_hashlib(imported, c
                 digest = xxhash.xxh3_128_hexdigest(data[8 + size + begin : 8 + size + end])
                 assert header["__metadata__"][f"xxh3_128:{name}"] == digest, name
                 tensors += 1
+        # the header's own: re-encoded as written, every xxh3_128: value 32 zeros, padded with spaces to 8 bytes
+        metadata = {k: "0" * 32 if k.startswith("xxh3_128:") else v for k, v in header["__metadata__"].items()}
+        encoded = json.dumps({**header, "__metadata__": metadata}, separators=(",", ":")).encode()
+        assert xxhash.xxh3_128_hexdigest(encoded + b" " * (-len(encoded) % 8)) == metadata_of(header)["__header__"]
     assert tensors > 100
+
+
+def metadata_of(header: dict) -> dict[str, str]:
+    """A shard header's recorded digests by name (``xxh3_128:`` dropped)."""
+    return {k.removeprefix("xxh3_128:"): v for k, v in header["__metadata__"].items() if k.startswith("xxh3_128:")}
 
 
 def test_flipped_hf_byte_is_named_by_import_compare_and_verify_checkpoint(imported, capsys, tmp_path: Path) -> None:
@@ -157,8 +166,9 @@ def test_flipped_hf_byte_is_named_by_import_compare_and_verify_checkpoint(import
 
 def test_a_tensor_whose_digest_entry_was_removed_is_named(imported, capsys, tmp_path: Path) -> None:
     """A shard's header edited so that one tensor's digest key is gone (the same length, so every reader
-    still takes the file): its check is not switched off — ``verify-checkpoint`` names the tensor. Up to
-    this change ``hf_spans`` skipped a tensor without a digest, and the file verified."""
+    still takes the file): its check is not switched off — ``verify-checkpoint`` names the shard's header,
+    whose own digest covers the keys. Before, ``hf_spans`` skipped a tensor without a digest, and the file
+    verified."""
     from vime_gemma4_bridge.io.hf import HFCheckpoint
 
     edited = tmp_path / "edited"
@@ -171,7 +181,53 @@ def test_a_tensor_whose_digest_entry_was_removed_is_named(imported, capsys, tmp_
     file.write_bytes(data.replace(key, key.replace(b"xxh3_128:", b"xxh3_12X:")))
     code, out, err = run_cli(capsys, "verify-checkpoint", edited)
     assert code == 1 and out == "", err
-    assert f"(tensor {name}) has no digest where its writer recorded one" in err, err
+    assert f"{file.name}'s header (tensor names, dtypes, shapes, offsets) does not match" in err, err
+
+
+@pytest.mark.parametrize(
+    ("edit", "found"),
+    [
+        # a dtype of the same byte width: every data digest still matches, the values would be read as float16
+        ((b'"dtype":"BF16"', b'"dtype":"F16" '), "header (tensor names, dtypes, shapes, offsets) does not match"),
+        ((b'"xxh3_128:__header__"', b'"xxh3_128:__headXr__"'), "header has no digest of its own"),
+    ],
+    ids=["dtype", "header-digest-removed"],
+)
+def test_a_header_edit_that_keeps_every_data_digest_is_named(imported, capsys, tmp_path: Path, edit, found) -> None:
+    """A shard header edited in place (same length, so every reader still takes the file): ``verify-checkpoint``
+    exits 1 naming the shard's header. Before the header carried a digest of its own, the dtype edit verified."""
+    edited = tmp_path / "edited"
+    shutil.copytree(imported["exported"], edited)
+    shard = next(p for p in sorted(edited.glob("*.safetensors")) if edit[0] in p.read_bytes())
+    data = shard.read_bytes()
+    shard.write_bytes(data.replace(edit[0], edit[1], 1))
+    code, out, err = run_cli(capsys, "verify-checkpoint", edited)
+    assert code == 1 and out == "", err
+    assert f"{shard.name}'s {found}" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.fast
+def test_hashing_seconds_are_wall_seconds_of_threads_hashing_at_once() -> None:
+    """``bench``'s ``checksum_overhead`` counts the wall time during which any thread hashed: four threads
+    hashing at once on two cores add about the wall time, not four threads' seconds (the sum, unlocked,
+    before)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vime_gemma4_bridge.io.digests import Hasher, hashing_seconds
+
+    data = bytes(256 << 20)
+
+    def hash_it(_: int) -> str:
+        hasher = Hasher()
+        hasher.update(data)
+        return hasher.hexdigest()
+
+    before, start = hashing_seconds(), time.perf_counter()
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        assert len(set(pool.map(hash_it, range(4)))) == 1
+    wall, counted = time.perf_counter() - start, hashing_seconds() - before
+    assert 0 < counted <= wall, (counted, wall)
 
 
 def _verify_with_rank_1_unable_to_read(hf_checkpoint: str) -> str:

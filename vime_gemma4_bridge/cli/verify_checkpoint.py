@@ -68,11 +68,13 @@ def _spans(path: Path) -> tuple[str, Path, list]:
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 iff every recorded digest matches, 1 if one does not, 2 on bad input or no digests."""
-    from vime_gemma4_bridge.io.digests import check_spans, damaged
+    from vime_gemma4_bridge.io.digests import DamagedCheckpoint, check_spans, damaged
     from vime_gemma4_bridge.io.hf import progress
 
     try:
         kind, where, spans = _spans(Path(args.dir))
+    except DamagedCheckpoint as error:  # a shard's header differs from its digest: the data is bad, not the call
+        return errors.report(PROG, error, debug=False)
     except ValueError as error:
         return errors.refuse(PROG, error)
     with progress(f"Checking {where.name}", len(spans), not args.json) as advance:

@@ -28,16 +28,21 @@ docs/ARCHITECTURE.md ("Digests") shows:
   (the index, common state, run config, sidecar), so the offsets themselves cannot change unseen.
 * **HF safetensors** (every shard :func:`~vime_gemma4_bridge.io.hf.save_safetensors` writes): the
   header's ``__metadata__`` holds ``"xxh3_128:<tensor name>": HEX``, the digest of that tensor's data
-  bytes (its ``data_offsets``). Other readers ignore the extra metadata.
+  bytes (its ``data_offsets``), and ``"xxh3_128:__header__": HEX``, the digest of the header itself as
+  written with every ``xxh3_128:`` value reading :data:`PLACEHOLDER` (:func:`header_digest`): a changed
+  name, dtype, shape or offset would otherwise leave every data digest matching. Other readers ignore
+  the extra metadata.
 
 A file set without digests (a training run's save, a Hub checkpoint) is read as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -52,7 +57,6 @@ __all__ = [
     "DIGESTS_FORMAT",
     "DIGESTS_NAME",
     "HF_PREFIX",
-    "NOT_RECORDED",
     "PLACEHOLDER",
     "DamagedCheckpoint",
     "Entry",
@@ -62,6 +66,7 @@ __all__ = [
     "damaged",
     "digest_spans",
     "hashing_seconds",
+    "header_digest",
     "hf_spans",
     "digest_span",
     "torch_dist_entries",
@@ -77,9 +82,8 @@ ALGORITHM = "xxh3_128"
 HF_PREFIX = f"{ALGORITHM}:"
 #: What a digest reads as before it is known (same length: the header is rewritten in place).
 PLACEHOLDER = "0" * 32
-#: The expected digest of a tensor whose shard records the others' but not its own (:func:`hf_spans`).
-NOT_RECORDED = "not recorded"
-_clock = [0.0]
+#: The header's own digest key (no tensor is named ``__header__``: safetensors reserves ``__`` names).
+HEADER_KEY = f"{HF_PREFIX}__header__"
 
 
 class DamagedCheckpoint(ValueError):
@@ -95,9 +99,45 @@ def damaged(kind: str, path: Path | str, found: str) -> DamagedCheckpoint:
     return DamagedCheckpoint(f"{kind} checkpoint {path} is damaged: {found}; {REMEDIES[kind]}")
 
 
+class _HashingClock:
+    """Wall seconds during which at least one thread was hashing.
+
+    Threads hash at once (:func:`digest_spans`; ``xxhash`` releases the GIL), so the sum of their
+    seconds would overstate what hashing costs a conversion; and ``+=`` from several threads loses
+    updates. The clock runs while any thread hashes, under a lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hashing = 0
+        self._since = 0.0
+        self._total = 0.0
+
+    @contextlib.contextmanager
+    def running(self) -> Any:
+        with self._lock:
+            if self._hashing == 0:
+                self._since = time.perf_counter()
+            self._hashing += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._hashing -= 1
+                if self._hashing == 0:
+                    self._total += time.perf_counter() - self._since
+
+    def seconds(self) -> float:
+        with self._lock:
+            return self._total + (time.perf_counter() - self._since if self._hashing else 0.0)
+
+
+_clock = _HashingClock()
+
+
 def hashing_seconds() -> float:
-    """Seconds this process has spent computing digests (``bench``'s ``checksum_overhead``)."""
-    return _clock[0]
+    """Wall seconds this process has spent computing digests (``bench``'s ``checksum_overhead``)."""
+    return _clock.seconds()
 
 
 class Hasher:
@@ -107,9 +147,8 @@ class Hasher:
         self._hash = xxhash.xxh3_128()
 
     def update(self, data: Any) -> None:
-        start = time.perf_counter()
-        self._hash.update(data)
-        _clock[0] += time.perf_counter() - start
+        with _clock.running():
+            self._hash.update(data)
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
@@ -125,8 +164,9 @@ class Span:
     what: str
 
 
-#: Bytes mapped at a time: unmapping each window keeps a pass over a 50 GB checkpoint off the RSS.
-_WINDOW = 64 << 20
+#: Bytes mapped at a time: unmapping each window keeps a pass over a 50 GB checkpoint off the RSS. Up to
+#: 8 threads of each rank hold one populated window each: 16 MB keeps that at 128 MB a rank.
+_WINDOW = 16 << 20
 #: Fault a window's pages in with one call (Linux) instead of one fault per page as they are hashed.
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
@@ -172,8 +212,6 @@ def check_spans(expected: Sequence[tuple[Span, str]], *, advance: Callable[[], N
     first, digest = bad
     if not first.file.is_file():
         return f"{first.file.name} ({first.what}) is missing"
-    if digest == NOT_RECORDED:
-        return f"{first.file.name} ({first.what}) has no digest where its writer recorded one: its header was changed"
     where = "" if first.length is None else f" bytes {first.offset:,}..{first.offset + first.length:,}"
     return f"{first.file.name}{where} ({first.what}) do not match the digest recorded when it was written"
 
@@ -255,13 +293,27 @@ def _what(key: str, chunk: list[int] | None) -> str:
 # ---- HF safetensors -----------------------------------------------------------------------------
 
 
+def header_digest(header: Mapping[str, Any]) -> str:
+    """The digest of a safetensors header as its writer encodes it, every ``xxh3_128:`` value a :data:`PLACEHOLDER`.
+
+    ``header`` is the parsed JSON (key order kept). The writer records it under :data:`HEADER_KEY`
+    before the data digests are known; a reader re-encodes what it parsed the same way, so a header
+    another tool re-serialised, or one whose names, dtypes, shapes or offsets changed, differs.
+    """
+    metadata = {
+        key: PLACEHOLDER if key.startswith(HF_PREFIX) else value for key, value in header["__metadata__"].items()
+    }
+    encoded = json.dumps({**header, "__metadata__": metadata}, separators=(",", ":")).encode()
+    return xxhash.xxh3_128_hexdigest(encoded + b" " * (-len(encoded) % 8))
+
+
 def hf_spans(path: Path, shards: Mapping[str, Iterable[str]]) -> list[tuple[Span, str]]:
     """The recorded (span, digest) pairs of tensors, ``{shard file: tensor names}``.
 
-    A shard that records no digest (transformers' writer) gives none. In a shard that records some, a
-    tensor without one gets :data:`NOT_RECORDED`, which no bytes hash to: the writer records every
-    tensor, so a missing entry is a damaged or edited header, and skipping it would switch that
-    tensor's check off."""
+    A shard that records no digest (transformers' writer) gives none. In a shard that records some, the
+    header itself is checked here first against :data:`HEADER_KEY` (:class:`DamagedCheckpoint` when it
+    differs or is missing): it covers the digest keys too, so a removed or renamed one cannot switch its
+    tensor's check off, and every tensor then has its digest."""
     spans = []
     for file, names in shards.items():
         wanted = set(names)
@@ -270,9 +322,18 @@ def hf_spans(path: Path, shards: Mapping[str, Iterable[str]]) -> list[tuple[Span
             header = json.loads(handle.read(size))
         recorded = header.get("__metadata__") or {}
         records = any(key.startswith(HF_PREFIX) for key in recorded)
+        if records and HEADER_KEY not in recorded:
+            raise damaged("HF", path, f"{file}'s header has no digest of its own where its writer recorded one")
+        if records and recorded[HEADER_KEY] != header_digest(header):
+            raise damaged(
+                "HF",
+                path,
+                f"{file}'s header (tensor names, dtypes, shapes, offsets) does not match the digest recorded "
+                "when it was written",
+            )
         for name, entry in header.items():
-            digest = recorded.get(HF_PREFIX + name) or (NOT_RECORDED if records else None)
-            if name in wanted and digest:
+            if name in wanted and records:
+                digest = recorded[HF_PREFIX + name]
                 begin, end = entry["data_offsets"]
                 spans.append((Span(path / file, 8 + size + begin, end - begin, f"tensor {name}"), digest))
     return spans

@@ -30,7 +30,17 @@ from safetensors import safe_open
 
 from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX
 from vime_gemma4_bridge.io.commit import atomic_directory, remove_stale_partials
-from vime_gemma4_bridge.io.digests import HF_PREFIX, PLACEHOLDER, Hasher, Span, check_spans, damaged, hf_spans
+from vime_gemma4_bridge.io.digests import (
+    HEADER_KEY,
+    HF_PREFIX,
+    PLACEHOLDER,
+    Hasher,
+    Span,
+    check_spans,
+    damaged,
+    header_digest,
+    hf_spans,
+)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -464,7 +474,7 @@ def save_safetensors(
     metadata (:mod:`vime_gemma4_bridge.io.digests`): the header is written with placeholders of the
     same length first and rewritten in place at the end, so no byte is read or produced twice.
     """
-    digests = {name: PLACEHOLDER for name, _ in tensors}
+    digests = {name: PLACEHOLDER for name, _ in tensors} | {HEADER_KEY: PLACEHOLDER}
     header: dict[str, object] = {"__metadata__": dict(metadata)}
     offset = 0
     for name, tensor in tensors:
@@ -477,11 +487,13 @@ def save_safetensors(
         offset += nbytes
 
     def encoded_header() -> bytes:
-        header["__metadata__"] = {**metadata, **{HF_PREFIX + name: digest for name, digest in digests.items()}}
+        recorded = {(key if key == HEADER_KEY else HF_PREFIX + key): digest for key, digest in digests.items()}
+        header["__metadata__"] = {**metadata, **recorded}
         encoded = json.dumps(header, separators=(",", ":")).encode()
         return encoded + b" " * (-len(encoded) % 8)
 
     first = encoded_header()
+    digests[HEADER_KEY] = header_digest(header)
     with open(path, "wb") as handle:
         handle.write(len(first).to_bytes(8, "little"))
         handle.write(first)
