@@ -462,3 +462,36 @@ def test_compare_takes_an_export_stream_against_tensor_files(tmp_path: Path) -> 
         result = compare(reference, iter(stream + [("z.weight", torch.ones(1))]))
     assert (result.different, result.missing) == (["b.weight"], ["c.weight"])
     assert result.extra == ["a.weight (yielded again)", "z.weight"] and not result.identical
+
+
+@pytest.mark.fast
+def test_the_spec_refuses_a_field_megatron_core_renamed() -> None:
+    """The Gemma 4 layer spec is built with ``dataclasses.replace`` on megatron-core's: where a build renamed a
+    field (here ``pre_mlp_layernorm``), building raises naming it instead of setting an attribute nothing reads."""
+    import dataclasses
+
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from vime_gemma4_bridge.core import spec
+    from vime_gemma4_bridge.core.model import Gemma4RMSNorm, Gemma4TransformerLayer
+
+    def layer_spec(submodules_class: type) -> ModuleSpec:
+        attention = ModuleSpec(module=SelfAttention, submodules=SelfAttentionSubmodules(None, None, None))
+        moe = ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=None))
+        layer = submodules_class(self_attention=attention, mlp=moe, sharded_state_dict_keys_map={})
+        return ModuleSpec(module=TransformerLayer, submodules=layer)
+
+    built = spec._moe_layer(layer_spec(TransformerLayerSubmodules), use_te=False)
+    assert built.module is Gemma4TransformerLayer and built.submodules.pre_mlp_layernorm is Gemma4RMSNorm
+    renamed = dataclasses.make_dataclass(
+        "TransformerLayerSubmodules",
+        [
+            ("pre_ffn_layernorm" if f.name == "pre_mlp_layernorm" else f.name, object, dataclasses.field(default=None))
+            for f in dataclasses.fields(TransformerLayerSubmodules)
+        ],
+    )
+    with pytest.raises(TypeError, match="pre_mlp_layernorm"):
+        spec._moe_layer(layer_spec(renamed), use_te=False)

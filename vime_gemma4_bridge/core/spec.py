@@ -9,7 +9,7 @@ shapes and torch_dist keys are the same on both hosts (table in docs/MODEL.md).
 
 from __future__ import annotations
 
-import copy
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -35,55 +35,62 @@ from vime_gemma4_bridge.core.model import (
 
 
 def gemma4_block_spec(config: Any, vp_stage: int | None = None) -> Any:
-    """The decoder block spec of a Gemma 4 MoE model for this rank's stage ``vp_stage``."""
+    """The decoder block spec of a Gemma 4 MoE model for this rank's stage ``vp_stage``.
+
+    Built with ``dataclasses.replace`` from megatron-core's spec, never by assigning to it: a field a
+    megatron-core build renamed raises ``TypeError`` here instead of being set beside the real one and
+    ignored.
+    """
     use_te = seams.te_available()
     block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, vp_stage=vp_stage)
-    block_spec.layer_norm = Gemma4RMSNorm
-    for layer_spec in block_spec.layer_specs:
-        layer_spec.module = Gemma4TransformerLayer
-        layer = layer_spec.submodules
-        layer.pre_mlp_layernorm = Gemma4RMSNorm  # HF pre_feedforward_layernorm_2 (routed experts)
-        layer.sharded_state_dict_keys_map = te_keys_map(layer.sharded_state_dict_keys_map)
-        _gemma4_attention(layer, Gemma4SelfAttention, use_te)
-        moe = _moe_submodules(layer)
-        moe.router = Gemma4TopKRouter
-        if not use_te:
-            moe.experts = partial(
-                TEGroupedMLP,  # megatron-core's grouped experts; only its linears are TE in the TE spec
-                submodules=GroupedMLPSubmodules(
-                    linear_fc1=cpu_modules.ColumnParallelGroupedLinear, linear_fc2=cpu_modules.RowParallelGroupedLinear
-                ),
-            )
-        layer.mlp = partial(Gemma4MoELayer, submodules=moe)
-    return block_spec
+    layers = [_moe_layer(layer_spec, use_te) for layer_spec in block_spec.layer_specs]
+    return replace(block_spec, layer_norm=Gemma4RMSNorm, layer_specs=layers)
+
+
+def _moe_layer(layer_spec: ModuleSpec, use_te: bool) -> ModuleSpec:
+    """One MoE layer's spec with Gemma 4's leaves (``layer_spec`` itself is left as megatron-core built it)."""
+    layer = layer_spec.submodules
+    moe = _moe_submodules(layer)
+    if not use_te:  # megatron-core's grouped experts; only its linears are TE in the TE spec
+        grouped = GroupedMLPSubmodules(
+            linear_fc1=cpu_modules.ColumnParallelGroupedLinear, linear_fc2=cpu_modules.RowParallelGroupedLinear
+        )
+        moe = replace(moe, experts=partial(TEGroupedMLP, submodules=grouped))
+    submodules = replace(
+        layer,
+        pre_mlp_layernorm=Gemma4RMSNorm,  # HF pre_feedforward_layernorm_2 (routed experts)
+        sharded_state_dict_keys_map=te_keys_map(layer.sharded_state_dict_keys_map),
+        mlp=partial(Gemma4MoELayer, submodules=replace(moe, router=Gemma4TopKRouter)),
+        **_gemma4_attention(layer, Gemma4SelfAttention, use_te),
+    )
+    return replace(layer_spec, module=Gemma4TransformerLayer, submodules=submodules)
 
 
 def gemma4_dense_block_spec(config: Any, vp_stage: int | None = None) -> Any:
     """The decoder block spec of a dense Gemma 4 model (E2B / E4B / 31B) for this rank's stage ``vp_stage``.
 
-    Layers differ (KV-shared attention, double-wide MLP), so each gets its own copy of the spec,
-    chosen by its global layer number.
+    Layers differ (KV-shared attention, double-wide MLP), so each gets its own spec, chosen by its
+    global layer number; built with ``dataclasses.replace`` as :func:`gemma4_block_spec` is.
     """
     use_te = seams.te_available()
     block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, vp_stage=vp_stage)
-    block_spec.layer_norm = Gemma4RMSNorm
     layer_numbers = _global_layer_numbers(config, vp_stage)
     specs = []
-    for layer_number, shared_spec in zip(layer_numbers, block_spec.layer_specs, strict=True):
-        layer_spec = copy.deepcopy(shared_spec)
-        layer_spec.module = Gemma4DenseTransformerLayer
+    for layer_number, layer_spec in zip(layer_numbers, block_spec.layer_specs, strict=True):
         layer = layer_spec.submodules
         shared = is_kv_shared_layer(config, layer_number)
-        _gemma4_attention(layer, Gemma4KVSharedAttention if shared else Gemma4SelfAttention, use_te)
         mlp = _mlp_submodules(layer)
-        layer.pre_mlp_layernorm = IdentityOp  # HF pre_feedforward_layernorm: fused into linear_fc1, as with TE
         if not use_te:
-            mlp.linear_fc1 = cpu_modules.LayerNormColumnParallelLinear
+            mlp = replace(mlp, linear_fc1=cpu_modules.LayerNormColumnParallelLinear)
         width = config.ffn_hidden_size * (2 if has_double_wide_mlp(config, layer_number) else 1)
-        layer.mlp = partial(Gemma4DenseMLP.as_mlp_submodule, submodules=mlp, ffn_hidden_size=width)
-        specs.append(layer_spec)
-    block_spec.layer_specs = specs
-    return block_spec
+        submodules = replace(
+            layer,
+            pre_mlp_layernorm=IdentityOp,  # HF pre_feedforward_layernorm: fused into linear_fc1, as with TE
+            mlp=partial(Gemma4DenseMLP.as_mlp_submodule, submodules=mlp, ffn_hidden_size=width),
+            **_gemma4_attention(layer, Gemma4KVSharedAttention if shared else Gemma4SelfAttention, use_te),
+        )
+        specs.append(replace(layer_spec, module=Gemma4DenseTransformerLayer, submodules=submodules))
+    return replace(block_spec, layer_norm=Gemma4RMSNorm, layer_specs=specs)
 
 
 def te_keys_map(keys_map: dict[str, str]) -> dict[str, str]:
@@ -99,23 +106,26 @@ def te_keys_map(keys_map: dict[str, str]) -> dict[str, str]:
     return {old: new for old, new in keys_map.items() if old != "pre_mlp_layernorm."}
 
 
-def _gemma4_attention(layer: Any, attention_class: type, use_te: bool) -> None:
-    """Gemma 4's attention leaves in one layer spec (both models)."""
+def _gemma4_attention(layer: Any, attention_class: type, use_te: bool) -> dict[str, Any]:
+    """The layer fields that carry Gemma 4's attention (both models), for ``replace`` on ``layer``."""
     if use_te:
         from vime_gemma4_bridge.core.te_modules import Gemma4TEDotProductAttention, TERowParallelLinearLayerNorm
 
         core_attention, linear_proj = Gemma4TEDotProductAttention, TERowParallelLinearLayerNorm
     else:
         core_attention, linear_proj = cpu_modules.Gemma4DotProductAttention, cpu_modules.RowParallelLinearLayerNorm
-    layer.self_attention.module = attention_class
-    attention = layer.self_attention.submodules
-    attention.core_attention = core_attention
-    attention.linear_proj = linear_proj  # HF post_attention_layernorm lives inside, as post_layernorm
-    attention.q_layernorm = Gemma4RMSNorm
-    attention.k_layernorm = Gemma4RMSNorm
+    attention = replace(
+        layer.self_attention.submodules,
+        core_attention=core_attention,
+        linear_proj=linear_proj,  # HF post_attention_layernorm lives inside, as post_layernorm
+        q_layernorm=Gemma4RMSNorm,
+        k_layernorm=Gemma4RMSNorm,
+        **({} if use_te else {"linear_qkv": cpu_modules.LayerNormColumnParallelLinear}),
+    )
+    fields = {"self_attention": replace(layer.self_attention, module=attention_class, submodules=attention)}
     if not use_te:
-        layer.input_layernorm = IdentityOp  # fused into linear_qkv (layer_norm_weight), as with TE
-        attention.linear_qkv = cpu_modules.LayerNormColumnParallelLinear
+        fields["input_layernorm"] = IdentityOp  # fused into linear_qkv (layer_norm_weight), as with TE
+    return fields
 
 
 def _global_layer_numbers(config: Any, vp_stage: int | None) -> list[int]:
