@@ -1,9 +1,10 @@
 """Building the sharded Megatron Gemma 4 model for a topology, and moving weights in and out of it.
 
 These are the steps every job shares (roundtrip, import, export, parity, probe, export-live), run on
-every rank after :func:`vime_gemma4_bridge.convert.topology.init_model_parallel`. All resharding is
-Megatron-Bridge's: ``AutoBridge.load_hf_weights`` / ``export_hf_weights`` with this plugin's
-bridge registered.
+every rank after :func:`vime_gemma4_bridge.convert.topology.init_model_parallel`. The conversion is
+Megatron-Bridge's: ``AutoBridge.load_hf_weights`` / ``export_hf_weights`` with this plugin's bridge
+registered; a job with one consumer has the plugin's mapping classes deliver the export to it
+(:func:`to_rank0`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ command that reads one checks them first and names the damaged file, tensor and 
 Why XXH3-128 and not sha256: the digests guard against damage, not tampering (a checkpoint already
 runs no code: :mod:`~vime_gemma4_bridge.io.safe_pickle`), and recording and checking cost a pass over
 the bytes each. sha256 hashes ~1.8 GB/s on a core here, XXH3 ~22 GB/s: with sha256 the digests took
-55% of an import plus export (``bench --quick``), with XXH3 16-20% (README, Performance). ``xxhash`` is
+55% of an import plus export (``bench --quick``), with XXH3 16-20% (docs/PERFORMANCE.md). ``xxhash`` is
 Megatron-Bridge's own (through ``datasets``); ``xxh128sum`` checks a whole file.
 
 Both formats are checkable with the ``xxhash`` package alone (no part of this package), as
