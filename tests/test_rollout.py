@@ -430,3 +430,27 @@ def test_rollout_check_tells_a_smaller_vocabulary_by_the_servers_answers(hf_vl: 
         refuse_from[0] = 0
         with pytest.raises(rollout.ServerError, match="refused a completion .HTTP 400.: input out of range"):
             rollout.rollout_check(str(hf_vl), "http://stub", prompts=1, prompt_len=4, max_tokens=2)
+
+
+@pytest.mark.parametrize("causal_lm", [False, True], ids=["vl", "causal"])
+def test_rollout_check_scores_a_layer_at_a_time_with_the_eager_logits(tmp_path: Path, causal_lm: bool) -> None:
+    """``rollout-check``'s transformers side holds the embedding and norms and reads each decoder layer
+    when it runs (the towers never): its logits are the eager model's, bitwise, for the VL checkpoint and
+    the CausalLM one."""
+    import transformers
+
+    from vime_gemma4_bridge.verify.parity import _layer_by_layer, hf_logits
+
+    hf = write_tiny_checkpoint(tmp_path / "hf", TinySpec(seed=6, causal_lm=causal_lm))
+    config = transformers.AutoConfig.from_pretrained(hf)
+    placement = _layer_by_layer(getattr(transformers, config.architectures[0]), config)
+    layers = (config.text_config if hasattr(config, "text_config") else config).num_hidden_layers
+    prefix = "model.language_model." if not causal_lm else "model."
+    assert {name for name, where in placement.items() if where == "disk" and ".layers." in name} == {
+        f"{prefix}layers.{index}" for index in range(layers)
+    }
+    assert placement["lm_head"] == "cpu" and placement[f"{prefix}embed_tokens"] == "cpu"
+    assert causal_lm or placement["model.vision_tower"] == "disk"
+    input_ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(0))
+    eager = hf_logits(str(hf), input_ids, torch.float32)
+    assert torch.equal(hf_logits(str(hf), input_ids, torch.float32, layer_by_layer=True), eager)

@@ -227,17 +227,60 @@ def megatron_logits_on_rank0(model: list[torch.nn.Module], input_ids: torch.Tens
 # --------------------------------------------------------------------------------------------
 
 
-def hf_logits(hf_checkpoint: str, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """transformers' logits for ``input_ids``: the checkpoint's own class, eager attention, ``dtype``."""
+def hf_logits(
+    hf_checkpoint: str, input_ids: torch.Tensor, dtype: torch.dtype, *, layer_by_layer: bool = False
+) -> torch.Tensor:
+    """transformers' logits for ``input_ids``: the checkpoint's own class, eager attention, ``dtype``.
+
+    ``layer_by_layer``: each decoder layer's weights are read from the checkpoint's files when its
+    forward runs and dropped after it (accelerate's disk offload, straight from the safetensors: nothing
+    is copied), the vision / audio towers never; the rest of the language model (embedding, final norm)
+    is held. ``rollout-check`` scores a 26B-A4B checkpoint this way in a login node's memory, where the
+    eager load holds the whole VL checkpoint (~52 GB). The logits are the same (tests/test_rollout.py).
+    """
+    import tempfile
+
     import torch
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(hf_checkpoint)
     architecture = (config.architectures or ["Gemma4ForCausalLM"])[0]
     model_cls = getattr(transformers, architecture)
-    model = model_cls.from_pretrained(hf_checkpoint, dtype=dtype, attn_implementation="eager").eval()
-    with torch.no_grad():
-        return model(input_ids=input_ids, use_cache=False).logits
+    with contextlib.ExitStack() as stack:
+        placement = {}
+        if layer_by_layer:
+            offload = stack.enter_context(tempfile.TemporaryDirectory(prefix="vime-gemma4-offload-"))
+            placement = {"device_map": _layer_by_layer(model_cls, config), "offload_folder": offload}
+        model = model_cls.from_pretrained(hf_checkpoint, dtype=dtype, attn_implementation="eager", **placement)
+        with torch.no_grad():
+            return model.eval()(input_ids=input_ids, use_cache=False).logits
+
+
+def _layer_by_layer(model_cls: type, config: Any) -> dict[str, str]:
+    """accelerate's device map: each decoder layer and every module outside the language model on ``disk``
+    (read when it runs), the rest of the language model and the root's own modules (``lm_head``) on the CPU."""
+    import torch
+
+    from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX
+
+    language_model = LANGUAGE_MODEL_PREFIX[model_cls.__name__].rstrip(".")
+    layers = f"{language_model}.layers"
+    with torch.device("meta"), torch.random.fork_rng(devices=[]):
+        model = model_cls(config)
+    device_map: dict[str, str] = {}
+
+    def place(module: Any, path: str) -> None:
+        for name, child in module.named_children():
+            full = f"{path}.{name}" if path else name
+            if full == layers:
+                device_map.update({f"{full}.{index}": "disk" for index, _ in child.named_children()})
+            elif layers.startswith(full + "."):
+                place(child, full)
+            else:
+                device_map[full] = "cpu" if full.startswith(language_model + ".") or not path else "disk"
+
+    place(model, "")
+    return device_map
 
 
 def compare_logits(megatron: torch.Tensor, reference: torch.Tensor, vocab_size: int) -> tuple[float, float, float]:

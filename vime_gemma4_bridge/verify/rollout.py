@@ -195,7 +195,8 @@ def rollout_check(
     longest = max(len(tokens) for tokens in served)
     continued = [[token for token, _ in tokens] + [0] * (longest - len(tokens)) for tokens in served]
     sequences = torch.cat([ids, torch.tensor(continued, dtype=ids.dtype)], dim=1)
-    logits = hf_logits(hf_checkpoint, sequences, getattr(torch, dtype)).float()  # one forward, every prompt
+    # one forward, every prompt; a layer's weights in memory at a time (the checkpoint may not fit in a node's)
+    logits = hf_logits(hf_checkpoint, sequences, getattr(torch, dtype), layer_by_layer=True).float()
     logprobs = torch.log_softmax(logits[:, prompt_len - 1 : -1, :vocab_size], dim=-1)
     for index, tokens in enumerate(served):
         for step, (token, served_logprob) in enumerate(tokens):
