@@ -23,6 +23,7 @@ import torch
 from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
 from megatron.bridge.peft.lora_layers import LoRALinear
 
+from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.core.hf_layout import STACK_NAME, STACK_PROJECTIONS, per_expert_name
 from vime_gemma4_bridge.core.model import attention_config
 
@@ -32,7 +33,7 @@ class PostNormLoRALinear(LoRALinear):
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         output, bias = self.to_wrap.linear_forward(x)
-        if self._adapter_enabled:
+        if seams.adapter_enabled(self):
             output = output + self.adapter_forward(self.adapter, x.contiguous(), *args, **kwargs).reshape(output.shape)
         return self.to_wrap.post_layernorm(output), bias
 
@@ -87,7 +88,7 @@ def with_gemma4_adapters(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
         if not hasattr(adapter.to_wrap, "post_layernorm"):
             adapter.to_wrap.return_layernorm_output = True
         elif type(adapter) is LoRALinear:
-            adapter.__class__ = PostNormLoRALinear
+            seams.become(adapter, PostNormLoRALinear)
         else:
             raise ValueError(
                 f"{name}: Gemma 4 normalises this linear's output (post_layernorm), so a "
