@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import cache
 from typing import Any
 
@@ -214,3 +214,17 @@ def become(obj: Any, cls: type) -> None:
     changes methods (Megatron-Bridge's own Gemma providers do the same with ``extend_instance``).
     """
     obj.__class__ = cls
+
+
+def hands_to(public: str) -> Callable[..., Any]:
+    """An override of an upstream private step that calls the public method ``public`` with its arguments.
+
+    The compat hook classes (``layer_hooks``, ``bridge_hooks``) override each private step core/ changes
+    this way, so the upstream call lands on a public name that core/ overrides.
+    """
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, public)(*args, **kwargs)
+
+    step.__name__ = step.__qualname__ = f"hands_to_{public}"
+    return step
