@@ -323,9 +323,9 @@ def test_no_module_imports_upstream_gemma_models() -> None:
 def test_core_is_liftable() -> None:
     """core/ (the upstream pull request) reaches compat/ only for its seams and mapping classes, no run-time patch.
 
-    The seams include the hook class of compat/layer_hooks.py: core/'s layers subclass it so that the upstream
-    private methods they replace are overridden there only; it patches nothing, and an upstream pull request
-    would make those steps public instead.
+    The seams include the two hook classes (compat/layer_hooks.py, compat/bridge_hooks.py): core/'s layers
+    and bridge subclass them so that the upstream private methods they replace are overridden there
+    only; they patch nothing, and an upstream pull request would make those steps public instead.
     """
     imported = {
         f"{module} -> {target}"
@@ -334,7 +334,7 @@ def test_core_is_liftable() -> None:
         for target in targets
         if target.startswith("vime_gemma4_bridge.compat")
     }
-    allowed = {f"vime_gemma4_bridge.compat.{name}" for name in ("seams", "mappings", "layer_hooks")}
+    allowed = {f"vime_gemma4_bridge.compat.{name}" for name in ("seams", "mappings", "layer_hooks", "bridge_hooks")}
     assert {edge for edge in imported if edge.rpartition(" -> ")[2] not in allowed} == set()
     assert imported, "the import graph no longer sees core's imports"
 
