@@ -149,12 +149,14 @@ def expected_language_model(checkpoint: HFCheckpoint) -> dict[str, tuple[list[in
     import torch
     import transformers
 
+    from vime_gemma4_bridge.compat import seams
+
     config = transformers.AutoConfig.from_pretrained(checkpoint.path)
     architecture = next(a for a in config.architectures if a in LANGUAGE_MODEL_PREFIX)
     dtype = declared_dtype(config) or torch.float32
     with torch.device("meta"), torch.random.fork_rng(devices=[]):
         model = getattr(transformers, architecture)(config)
-    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    tied = seams.tied_weights_keys(model)
     expected = {}
     for name, tensor in model.state_dict().items():
         if name.startswith(checkpoint.prefix) and name not in tied:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import cache
 from typing import Any
 
@@ -182,3 +182,49 @@ def storage_info_class() -> type:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo
+
+
+def adapter_enabled(wrapper: Any) -> bool:
+    """Whether a Megatron-Bridge ``AdapterWrapper`` adds its adapter (``adapter_wrapper.py``: ``_adapter_enabled``).
+
+    ``enable_adapter_layers`` / ``disable_adapter_layers`` set it, and no public attribute reads it back; a
+    wrapper with its own forward (``core/lora.PostNormLoRALinear``) must honour it as ``LoRALinear.forward`` does.
+    """
+    return wrapper._adapter_enabled
+
+
+def tied_weights_keys(model: Any) -> set[str]:
+    """The parameter names a transformers model declares tied to another (its ``_tied_weights_keys``).
+
+    ``save_pretrained`` leaves these out of a checkpoint, so a checkpoint's expected tensors are the
+    state dict less these. transformers' ``get_expanded_tied_weights_keys`` (5.12) answers a different
+    question: it is empty when the config does not tie the word embeddings; nothing public reads the
+    declaration itself.
+    """
+    return set(getattr(model, "_tied_weights_keys", None) or ())
+
+
+def become(obj: Any, cls: type) -> None:
+    """Make ``obj``, built by upstream, an instance of ``cls`` in place (``obj.__class__ = cls``).
+
+    A swap, not a construction: upstream builds the object inside a constructor it gives no class
+    hook for (megatron-core's ``GPTModel`` its embedding and output layer; Megatron-Bridge's LoRA
+    transform its ``LoRALinear``), and others already hold it (the parent module, the parameters'
+    owners, hooks). Keeping the object keeps every parameter, name, tie and reference; ``cls`` only
+    changes methods (Megatron-Bridge's own Gemma providers do the same with ``extend_instance``).
+    """
+    obj.__class__ = cls
+
+
+def hands_to(public: str) -> Callable[..., Any]:
+    """An override of an upstream private step that calls the public method ``public`` with its arguments.
+
+    The compat hook classes (``layer_hooks``, ``bridge_hooks``) override each private step core/ changes
+    this way, so the upstream call lands on a public name that core/ overrides.
+    """
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, public)(*args, **kwargs)
+
+    step.__name__ = step.__qualname__ = f"hands_to_{public}"
+    return step

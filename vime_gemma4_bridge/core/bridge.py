@@ -35,6 +35,7 @@ from megatron.bridge.models.conversion.utils import persistent_buffers
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from vime_gemma4_bridge.compat import seams
+from vime_gemma4_bridge.compat.bridge_hooks import ModelBridgeHooks
 from vime_gemma4_bridge.compat.mappings import (
     ColumnParallel,
     ColumnParallelQKVMapping,
@@ -206,7 +207,7 @@ class UnsupportedCheckpoint(ValueError):
     """The checkpoint is Gemma 4, but not one this plugin (on this Megatron-Bridge build) can convert."""
 
 
-class Gemma4LanguageModelBridge(Gemma4AdapterExport, MegatronModelBridge):
+class Gemma4LanguageModelBridge(Gemma4AdapterExport, ModelBridgeHooks):
     """Gemma 4 language-model bridge (MoE and dense) for the CausalLM and the VL checkpoint."""
 
     def _architecture(self) -> str:
@@ -307,7 +308,7 @@ class Gemma4LanguageModelBridge(Gemma4AdapterExport, MegatronModelBridge):
             match and getattr(text, "attention_k_eq_v", False) and text.layer_types[int(match.group(1))] == FULL
         )
 
-    def _accumulate_grouped_export(
+    def accumulate_grouped_export(
         self,
         task: Any,
         converted_weights_dict: dict,
@@ -335,7 +336,7 @@ class Gemma4LanguageModelBridge(Gemma4AdapterExport, MegatronModelBridge):
         """
         if args or kwargs or getattr(task.mapping, "transpose_on_export", False):
             sources = {} if grouped_sources is None else {"grouped_sources": grouped_sources}
-            return super()._accumulate_grouped_export(
+            return super().accumulate_grouped_export(
                 task, converted_weights_dict, model_config, grouped_buffers, hf_state_dict, *args, **sources, **kwargs
             )
         from megatron.bridge.utils.common_utils import extract_expert_number_from_param
@@ -375,7 +376,7 @@ class Gemma4LanguageModelBridge(Gemma4AdapterExport, MegatronModelBridge):
         self._grouped_task_name = task.param_name if complete else None
         return complete or None
 
-    def _broadcast_shared_embeddings(self, megatron_model: Any) -> None:
+    def broadcast_shared_embeddings(self, megatron_model: Any) -> None:
         """Tie the last stage's output layer to the embedding after a load, at any VPP (core/tied.py)."""
         broadcast_tied_embeddings(megatron_model)
 

@@ -209,7 +209,8 @@ class _GroupedLinear(nn.Module):
             set_tensor_model_parallel_attributes(weight, True, self.partition_dim, 1)
             weight.allreduce = not is_expert
             self.register_parameter(f"weight{k}", weight)
-        self._register_load_state_dict_pre_hook(self._merge_extra_states, with_module=False)
+        # torch's public hook is called with the module first: the plain function takes it as ``self``.
+        self.register_load_state_dict_pre_hook(type(self)._merge_extra_states)
 
     def adapter_attributes(self) -> dict[str, object]:
         """What Megatron-Bridge's LoRA transform asks of a linear (its ``AdapterAttributes``), as for TE's

@@ -23,6 +23,7 @@ import torch
 from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
 from megatron.bridge.peft.lora_layers import LoRALinear
 
+from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.core.hf_layout import STACK_NAME, STACK_PROJECTIONS, per_expert_name
 from vime_gemma4_bridge.core.model import attention_config
 
@@ -32,7 +33,7 @@ class PostNormLoRALinear(LoRALinear):
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         output, bias = self.to_wrap.linear_forward(x)
-        if self._adapter_enabled:
+        if seams.adapter_enabled(self):
             output = output + self.adapter_forward(self.adapter, x.contiguous(), *args, **kwargs).reshape(output.shape)
         return self.to_wrap.post_layernorm(output), bias
 
@@ -87,7 +88,7 @@ def with_gemma4_adapters(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
         if not hasattr(adapter.to_wrap, "post_layernorm"):
             adapter.to_wrap.return_layernorm_output = True
         elif type(adapter) is LoRALinear:
-            adapter.__class__ = PostNormLoRALinear
+            seams.become(adapter, PostNormLoRALinear)
         else:
             raise ValueError(
                 f"{name}: Gemma 4 normalises this linear's output (post_layernorm), so a "
@@ -99,9 +100,12 @@ def with_gemma4_adapters(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
 class Gemma4AdapterExport:
     """Bridge mixin: Gemma 4's adapter export and merge, over Megatron-Bridge's (both builds share these hooks).
 
+    It comes before ``compat.bridge_hooks.ModelBridgeHooks`` among the bridge's bases: that class names
+    upstream's private steps publicly, and these methods replace those public names.
+
     * both exports refuse adapters that were not placed as HF places them (:func:`with_gemma4_adapters`);
     * the routed experts' adapters stream per expert, as vLLM's Gemma 4 loader names them
-      (:meth:`_get_base_hf_param_names_for_adapter`);
+      (:meth:`base_hf_param_names_for_adapter`);
     * a fused QKV adapter's ``lora_B`` is split by its layer's own attention shape.
 
     Megatron-Bridge splits it with the model-wide config, in the adapter export and in the merged
@@ -140,18 +144,18 @@ class Gemma4AdapterExport:
         q, k, v = split_qkv_weights(config, linear_out, feature_dim=linear_out.shape[-1])
         return {"q_proj": q, "k_proj": k, "v_proj": v}
 
-    def _get_fused_adapter_linear_out_slices(
+    def fused_adapter_linear_out_slices(
         self, megatron_model: list, base_hf_weight_names: list[str], linear_out_tensor: torch.Tensor, **kwargs: Any
     ) -> dict[str, Any] | None:
-        if not self._is_fused_qkv(base_hf_weight_names):
-            return super()._get_fused_adapter_linear_out_slices(
+        if not self.is_fused_qkv(base_hf_weight_names):
+            return super().fused_adapter_linear_out_slices(
                 megatron_model, base_hf_weight_names, linear_out_tensor, **kwargs
             )
         layer = int(re.search(r"layers\.(\d+)\.", base_hf_weight_names[0]).group(1))
         by_role = self._qkv_slices(megatron_model, layer, linear_out_tensor)
-        return {name: by_role[self._infer_qkv_projection_from_name(name)] for name in base_hf_weight_names}
+        return {name: by_role[self.infer_qkv_projection_from_name(name)] for name in base_hf_weight_names}
 
-    def _get_base_hf_param_names_for_adapter(
+    def base_hf_param_names_for_adapter(
         self, mapping_registry: Any, global_base_prefix: str, adapter_key: str | None, base_suffix: str
     ) -> list[str]:
         """Upstream's HF base names of an adapter; a routed expert's (``.weight<e>``) per expert, not its stack.
@@ -166,9 +170,7 @@ class Gemma4AdapterExport:
         takes them (0.32.0 ``models/gemma4.py``; UPSTREAM 56). CanonicalLoRA's keyed adapters keep
         upstream's names.
         """
-        names = super()._get_base_hf_param_names_for_adapter(
-            mapping_registry, global_base_prefix, adapter_key, base_suffix
-        )
+        names = super().base_hf_param_names_for_adapter(mapping_registry, global_base_prefix, adapter_key, base_suffix)
         expert = re.fullmatch(r"\.weight(\d+)", base_suffix)
         if expert is None or adapter_key is not None:
             return names
@@ -204,18 +206,18 @@ class Gemma4AdapterExport:
                 item = item._replace(weight=adapted_k.pop(item[0]))
             yield item
 
-    def _merge_lora_adapter_weights(
+    def merge_lora_adapter_weights(
         self, megatron_model: list, converted_weights_dict: dict[str, torch.Tensor], adapter_weights: list
     ) -> dict[str, torch.Tensor]:
         qkv = re.fullmatch(r"(?:.*\.)?layers\.(\d+)\.self_attention\.linear_qkv", adapter_weights[0].global_base_prefix)
         if not converted_weights_dict or len(adapter_weights) != 1 or qkv is None:
-            return super()._merge_lora_adapter_weights(megatron_model, converted_weights_dict, adapter_weights)
+            return super().merge_lora_adapter_weights(megatron_model, converted_weights_dict, adapter_weights)
         adapter = adapter_weights[0]
         linear_in = adapter.linear_in_weight.weight
         by_role = self._qkv_slices(megatron_model, int(qkv.group(1)), adapter.linear_out_weight.weight)
         return {
-            name: self._merge_single_adapter_weight(
-                base, adapter.alpha, adapter.dim, linear_in, by_role[self._infer_qkv_projection_from_name(name)]
+            name: self.merge_single_adapter_weight(
+                base, adapter.alpha, adapter.dim, linear_in, by_role[self.infer_qkv_projection_from_name(name)]
             )
             for name, base in converted_weights_dict.items()
         }

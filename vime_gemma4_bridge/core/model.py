@@ -36,10 +36,10 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 from torch import Tensor, nn
 
+from vime_gemma4_bridge.compat.layer_hooks import TransformerLayerHooks
 from vime_gemma4_bridge.core.layer_pattern import (
     is_kv_shared_layer,
     is_kv_source_layer,
@@ -233,15 +233,18 @@ class Gemma4MoELayer(MoELayer):
         return compute(expert_input, shared_input, router_input)
 
 
-class Gemma4LayerBase(TransformerLayer):
-    """What every Gemma 4 layer adds to megatron-core's: the post-FFN norm and the frozen ``layer_scalar``."""
+class Gemma4LayerBase(TransformerLayerHooks):
+    """What every Gemma 4 layer adds to megatron-core's: the post-FFN norm and the frozen ``layer_scalar``.
+
+    megatron-core's ``TransformerLayer``, through the compat class that names its feed-forward steps.
+    """
 
     def __init__(self, config: TransformerConfig, submodules: Any, layer_number: int = 1, **kwargs: Any) -> None:
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
         self.post_ffn_layernorm = Gemma4RMSNorm(config, config.hidden_size)
         self.layer_scalar = nn.Parameter(torch.ones(1, dtype=config.params_dtype), requires_grad=False)
 
-    def _forward_post_mlp(self, mlp_output_with_bias: tuple[Tensor, Tensor | None], residual: Tensor) -> Tensor:
+    def forward_post_mlp(self, mlp_output_with_bias: tuple[Tensor, Tensor | None], residual: Tensor) -> Tensor:
         output, bias = mlp_output_with_bias
         output = self.post_ffn_layernorm(output)
         if bias is not None:
@@ -262,7 +265,7 @@ class Gemma4TransformerLayer(Gemma4LayerBase):
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
         self.pre_shared_expert_layernorm = Gemma4RMSNorm(config, config.hidden_size)
 
-    def _forward_mlp(
+    def forward_mlp(
         self,
         hidden_states: Tensor,
         inference_context: Any = None,
@@ -271,18 +274,15 @@ class Gemma4TransformerLayer(Gemma4LayerBase):
         **kwargs: Any,
     ) -> Tensor:
         residual = hidden_states
-        moe_input, mbs = hidden_states, None
-        if hasattr(self, "_maybe_unflatten_for_moe"):  # megatron-core >= 0.16: per-sample MoE on packed batches
-            moe_input, padding_mask, mbs = self._maybe_unflatten_for_moe(hidden_states, padding_mask, packed_seq_params)
+        moe_input, padding_mask, mbs = self.unflatten_for_moe(hidden_states, padding_mask, packed_seq_params)
         output, bias = self.mlp.forward_with_separate_inputs(
             self.pre_mlp_layernorm(moe_input),  # HF pre_feedforward_layernorm_2: routed experts
             self.pre_shared_expert_layernorm(moe_input),  # HF pre_feedforward_layernorm: dense MLP
             moe_input,  # the router normalises its own input
             padding_mask=padding_mask,
         )
-        if mbs is not None:
-            output = self._maybe_reflatten_from_moe(output, packed_seq_params, mbs)
-        return self._forward_post_mlp((output, bias), residual)
+        output = self.reflatten_from_moe(output, packed_seq_params, mbs)
+        return self.forward_post_mlp((output, bias), residual)
 
 
 class Gemma4RotaryEmbedding(nn.Module):

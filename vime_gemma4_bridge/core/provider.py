@@ -163,4 +163,4 @@ def _become(module: torch.nn.Module | None, expected: type, gemma4_class: type) 
         return
     if type(module) is not expected:
         raise TypeError(f"expected megatron-core's {expected.__name__}, got {type(module).__name__}")
-    module.__class__ = gemma4_class
+    seams.become(module, gemma4_class)

@@ -155,11 +155,12 @@ def _meta_tensors(spec: TinySpec) -> list[tuple[str, tuple[int, ...], Any]]:
     import torch
     import transformers
 
+    from vime_gemma4_bridge.compat import seams
     from vime_gemma4_bridge.testing.weights import on_disk
 
     with torch.device("meta"), torch.random.fork_rng(devices=[]):
         model = getattr(transformers, spec.architecture)(spec.hf_config())
-    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    tied = seams.tied_weights_keys(model)
     out = []
     for name, tensor in on_disk(model, {n: t for n, t in model.state_dict().items() if n not in tied}).items():
         dtype = spec.torch_dtype if tensor.is_floating_point() else tensor.dtype
