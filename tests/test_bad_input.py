@@ -332,7 +332,7 @@ def test_untied_checkpoint_is_refused_on_vimes_road(good, tmp_path) -> None:
     from megatron.bridge import AutoBridge
 
     import vime_gemma4_bridge
-    from vime_gemma4_bridge.core.bridge import UnsupportedCheckpoint
+    from vime_gemma4_bridge.core.provider_config import UnsupportedCheckpoint
 
     vime_gemma4_bridge.register()
     bridge = AutoBridge.from_hf_pretrained(str(damaged(good, tmp_path, _untied)))

@@ -288,6 +288,7 @@ def _refusals_job(hf_checkpoint: str) -> dict:
 
     import vime_gemma4_bridge
     from vime_gemma4_bridge.core import bridge as gemma4_bridge
+    from vime_gemma4_bridge.core import mapping_table
 
     topology = Topology()
     vime_gemma4_bridge.init_model_parallel(topology)
@@ -303,14 +304,14 @@ def _refusals_job(hf_checkpoint: str) -> dict:
         errors.append(str(error))
     layer._buffers.pop("layer_scalar")
     layer.layer_scalar = scalar
-    table = gemma4_bridge.MOE_MAPPING_TABLE
-    gemma4_bridge.MOE_MAPPING_TABLE = tuple(row for row in table if row[1] != "decoder.layers.*.mlp.router.scale")
+    table = mapping_table.MOE_MAPPING_TABLE
+    mapping_table.MOE_MAPPING_TABLE = tuple(row for row in table if row[1] != "decoder.layers.*.mlp.router.scale")
     try:
         bridge.get_conversion_tasks(model)
     except gemma4_bridge.IncompleteMapping as error:
         errors.append(str(error))
     finally:
-        gemma4_bridge.MOE_MAPPING_TABLE = table
+        mapping_table.MOE_MAPPING_TABLE = table
     bridge.get_conversion_tasks(model)  # and the model as built passes
     classes = sorted({f"{type(m).__module__}.{type(m).__name__}" for m in model[0].modules()})
     return {"errors": errors, "classes": classes}

@@ -38,7 +38,7 @@ def _gathered_to_rank0_job(hf_checkpoint: str, topology: Topology) -> dict:
     from vime_gemma4_bridge.compat.gather_to_one import gathered_to
     from vime_gemma4_bridge.convert import model as convert
     from vime_gemma4_bridge.convert.topology import init_model_parallel
-    from vime_gemma4_bridge.core.bridge import in_expert_layout
+    from vime_gemma4_bridge.core.expert_layout import in_expert_layout
     from vime_gemma4_bridge.core.hf_layout import STACKED
 
     init_model_parallel(topology)

@@ -271,7 +271,7 @@ def test_export_quantize_fp8_writes_a_checkpoint_vllm_serves(hf_vl: Path, tmp_pa
 
 
 def test_the_vime_switch_is_read_from_the_environment(monkeypatch) -> None:
-    from vime_gemma4_bridge.core.bridge import EXPERT_LAYOUT_ENV, expert_layout, exporting_experts
+    from vime_gemma4_bridge.core.expert_layout import EXPERT_LAYOUT_ENV, expert_layout, exporting_experts
 
     monkeypatch.delenv(EXPERT_LAYOUT_ENV, raising=False)
     assert expert_layout() == "stacked"

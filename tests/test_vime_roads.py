@@ -73,7 +73,7 @@ def test_plugin_rows_state_their_parallelism() -> None:
 
     import vime_gemma4_bridge  # noqa: F401
     from vime_gemma4_bridge.compat.mappings import StatedAutoMapping
-    from vime_gemma4_bridge.core.bridge import MOE_MAPPING_TABLE, build_registry
+    from vime_gemma4_bridge.core.mapping_table import MOE_MAPPING_TABLE, build_registry
 
     ours = {megatron_name for _, megatron_name, _ in MOE_MAPPING_TABLE}  # not the registry's own aliases
     for mapping in (m for m in build_registry(MOE_MAPPING_TABLE, "model.").mappings if m.megatron_param in ours):

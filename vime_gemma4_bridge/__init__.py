@@ -32,12 +32,8 @@ def register() -> None:
 
     Raises whatever prevents it (an explicit call is never fail-safe; the autoload is).
     """
-    from vime_gemma4_bridge.compat.hf_save import complete_saves_of
-    from vime_gemma4_bridge.core.bridge import Gemma4LanguageModelBridge
     from vime_gemma4_bridge.core.bridge import register as register_bridges
 
-    # The plugin is core/ (what upstream would receive) plus the run-time patches it needs here.
-    complete_saves_of(Gemma4LanguageModelBridge)
     register_bridges()
 
 

@@ -8,11 +8,10 @@ its tensors have been yielded and, being strict, fails when any source tensor wa
 checkpoint keeps its vision / audio towers beside the language model, often in the same shard,
 and those never enter Megatron: the save wrote nothing and raised.
 
-:func:`complete_saves_of` (applied to the plugin's bridge class at registration, so core/ holds
-no run-time patch) has each export of that bridge first call :func:`complete_saves_from_source`, which
+The plugin's bridge has each of its exports first call :func:`complete_saves_from_source`, which
 wraps ``save_generator`` on that one source object (the checkpoint the bridge was opened on, nothing
-global): after the export's own tensors it yields,
-bitwise from the source, the tensors the bridge declares it does not convert. Everything the
+global): after the export's own tensors it yields, bitwise from the source, the tensors the bridge
+declares it does not convert. Everything the
 bridge does convert must still come from the export, so upstream's strictness keeps catching a
 missing language-model tensor. The export a save consumes is also put in the checkpoint's own
 layout (the bridge's ``in_checkpoint_layout``: experts stacked, whatever the live sync's
@@ -22,38 +21,12 @@ layout (the bridge's ``in_checkpoint_layout``: experts stacked, whatever the liv
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 _MARK = "_vime_gemma4_completes_from_source"
-
-
-def complete_saves_of(bridge_cls: type) -> None:
-    """Make every HF save through an export of ``bridge_cls`` complete from the source. Idempotent.
-
-    ``bridge_cls.converts_hf_tensor(name)`` says which source tensors its export yields (the hook
-    docs/UPSTREAM.md 30 proposes upstream), ``bridge_cls.in_checkpoint_layout(stream)`` puts an
-    export in the layout a checkpoint stores. Its ``stream_weights_megatron_to_hf`` is wrapped so that
-    each stream first has :func:`complete_saves_from_source` prepare its ``hf_pretrained``'s source;
-    the stream itself is unchanged. Only this class and its subclasses: other models' bridges never.
-    """
-    stream = bridge_cls.stream_weights_megatron_to_hf
-    if getattr(stream, _MARK, False):
-        return
-    signature = inspect.signature(stream)
-
-    @functools.wraps(stream)
-    def stream_weights_megatron_to_hf(self: Any, *args: Any, **kwargs: Any) -> Any:
-        hf_pretrained = signature.bind(self, *args, **kwargs).arguments["hf_pretrained"]
-        complete_saves_from_source(hf_pretrained, self.converts_hf_tensor, self.in_checkpoint_layout)
-        return stream(self, *args, **kwargs)
-
-    setattr(stream_weights_megatron_to_hf, _MARK, True)
-    bridge_cls.stream_weights_megatron_to_hf = stream_weights_megatron_to_hf
 
 
 def complete_saves_from_source(

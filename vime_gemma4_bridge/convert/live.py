@@ -85,7 +85,7 @@ def iter_hf_weights(
     With ``conversion_tasks`` the caller's weights are the only ones read (vime's sleeping actor,
     core/tied.py); without, the tasks are the bridge's and the tied copies are checked first.
     ``expert_layout="per-expert"`` yields each routed expert's gate/up/down on its own, as soon as
-    it is gathered (the bridge's hook, :func:`~vime_gemma4_bridge.core.bridge.in_expert_layout`, set
+    it is gathered (the bridge's hook, :func:`~vime_gemma4_bridge.core.expert_layout.in_expert_layout`, set
     around each step of the bridge's export and nowhere else). ``quantize="fp8"`` yields the
     block-FP8 layout (:mod:`vime_gemma4_bridge.convert.fp8`) and implies the per-expert layout.
     """
@@ -103,7 +103,7 @@ def iter_hf_weights(
 
 def _exported(bridge: Any, model: list, cpu: bool, tasks: list, expert_layout: str) -> Iterator[NamedWeight]:
     """The bridge's export, in ``expert_layout``, each name once, with its Megatron name."""
-    from vime_gemma4_bridge.core.bridge import in_expert_layout
+    from vime_gemma4_bridge.core.expert_layout import in_expert_layout
 
     megatron_names = megatron_names_by_hf_name(tasks)
     exported = bridge.export_hf_weights(model, cpu=cpu, conversion_tasks=tasks, show_progress=False)

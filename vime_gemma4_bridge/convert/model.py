@@ -98,7 +98,7 @@ def export_language_model(bridge: Any, model: list[torch.nn.Module], tasks: list
     ranks shape-only ones. The experts come stacked, as the checkpoint stores them, whatever the
     live sync's switch says.
     """
-    from vime_gemma4_bridge.core.bridge import in_expert_layout
+    from vime_gemma4_bridge.core.expert_layout import in_expert_layout
 
     seen: set[str] = set()
     exported = bridge.export_hf_weights(model, cpu=receives_export(), show_progress=is_rank0(), conversion_tasks=tasks)

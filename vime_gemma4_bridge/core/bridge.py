@@ -18,13 +18,10 @@ classes and conversion tasks). What is Gemma 4's own (each a gap listed in docs/
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import os
 import re
 from collections.abc import Iterable, Iterator
-from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -36,175 +33,25 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 
 from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.compat.bridge_hooks import ModelBridgeHooks
-from vime_gemma4_bridge.compat.mappings import (
-    ColumnParallel,
-    ColumnParallelQKVMapping,
-    FusedGatedExpertMapping,
-    GatedMLPMapping,
-    Replicated,
-    RowParallel,
-    RowParallelFusedExpertMapping,
-)
+from vime_gemma4_bridge.compat.hf_save import complete_saves_from_source
+from vime_gemma4_bridge.core import expert_layout, mapping_table
 from vime_gemma4_bridge.core.block_fp8 import as_rollout_checkpoint_stores, rollout_block_fp8_weights
+from vime_gemma4_bridge.core.expert_layout import in_expert_layout
 from vime_gemma4_bridge.core.hf_layout import (
-    EXPERT_LAYOUT_ENV,
     LANGUAGE_MODEL_PREFIX,
     PER_EXPERT,
     STACKED,
     UNTIED_REFUSAL,
-    check_expert_layout,
     declared_dtype,
-    global_kv_heads,
     split_expert,
     stack_of,
     ties_embeddings,
 )
-from vime_gemma4_bridge.core.layer_pattern import FULL, SLIDING, pattern_from_layer_types
+from vime_gemma4_bridge.core.layer_pattern import FULL
 from vime_gemma4_bridge.core.lora import Gemma4AdapterExport
-from vime_gemma4_bridge.core.provider import Gemma4DenseTextModelProvider, Gemma4TextModelProvider
+from vime_gemma4_bridge.core.provider import Gemma4TextModelProvider
+from vime_gemma4_bridge.core.provider_config import UnsupportedCheckpoint, dense_provider, moe_provider
 from vime_gemma4_bridge.core.tied import broadcast_tied_embeddings, check_tied_embeddings
-
-MappingTable = tuple[tuple[type, str, str | dict[str, str]], ...]
-
-# ---------------------------------------------------------------------------------------------
-# Both models. Megatron names are relative to the GPTModel, HF names to the language-model prefix; ``*``
-# is the layer index; a dict HF side fuses HF tensors into one Megatron tensor. Tied embeddings: no
-# ``lm_head`` / ``output_layer`` on purpose (core/tied.py). Each row states its parallelism (column / row /
-# replicated): builds disagree on how ``AutoMapping`` guesses it from a class name (compat/mappings.py).
-# ---------------------------------------------------------------------------------------------
-SHARED_MAPPING_ROWS: MappingTable = (
-    (ColumnParallel, "embedding.word_embeddings.weight", "embed_tokens.weight"),
-    (Replicated, "decoder.final_layernorm.weight", "norm.weight"),
-    # attention (sliding and full layers share names; shapes differ per layer type)
-    (
-        ColumnParallelQKVMapping,
-        "decoder.layers.*.self_attention.linear_qkv.weight",
-        {
-            "q": "layers.*.self_attn.q_proj.weight",
-            "k": "layers.*.self_attn.k_proj.weight",
-            "v": "layers.*.self_attn.v_proj.weight",
-        },
-    ),
-    (Replicated, "decoder.layers.*.self_attention.q_layernorm.weight", "layers.*.self_attn.q_norm.weight"),
-    (Replicated, "decoder.layers.*.self_attention.k_layernorm.weight", "layers.*.self_attn.k_norm.weight"),
-    (Replicated, "decoder.layers.*.self_attention.linear_qkv.layer_norm_weight", "layers.*.input_layernorm.weight"),
-    (RowParallel, "decoder.layers.*.self_attention.linear_proj.weight", "layers.*.self_attn.o_proj.weight"),
-    (
-        Replicated,
-        "decoder.layers.*.self_attention.linear_proj.post_layernorm.weight",
-        "layers.*.post_attention_layernorm.weight",
-    ),
-    (Replicated, "decoder.layers.*.post_ffn_layernorm.weight", "layers.*.post_feedforward_layernorm.weight"),
-    (Replicated, "decoder.layers.*.layer_scalar", "layers.*.layer_scalar"),
-)
-
-# The MoE model: its modules are the plugin's (core/model.py, core/spec.py).
-MOE_MAPPING_TABLE: MappingTable = (
-    *SHARED_MAPPING_ROWS,
-    # feed-forward: dense MLP ("shared expert") beside the routed experts, each with its norms
-    (Replicated, "decoder.layers.*.pre_shared_expert_layernorm.weight", "layers.*.pre_feedforward_layernorm.weight"),
-    (
-        GatedMLPMapping,
-        "decoder.layers.*.mlp.shared_experts.linear_fc1.weight",
-        {"gate": "layers.*.mlp.gate_proj.weight", "up": "layers.*.mlp.up_proj.weight"},
-    ),
-    (RowParallel, "decoder.layers.*.mlp.shared_experts.linear_fc2.weight", "layers.*.mlp.down_proj.weight"),
-    (
-        Replicated,
-        "decoder.layers.*.mlp.post_shared_expert_layernorm.weight",
-        "layers.*.post_feedforward_layernorm_1.weight",
-    ),
-    (Replicated, "decoder.layers.*.pre_mlp_layernorm.weight", "layers.*.pre_feedforward_layernorm_2.weight"),
-    (Replicated, "decoder.layers.*.mlp.router.weight", "layers.*.router.proj.weight"),
-    (Replicated, "decoder.layers.*.mlp.router.scale", "layers.*.router.scale"),
-    (Replicated, "decoder.layers.*.mlp.router.per_expert_scale", "layers.*.router.per_expert_scale"),
-    # routed experts: one Megatron tensor per expert <-> one stacked HF tensor [E, ...]
-    (FusedGatedExpertMapping, "decoder.layers.*.mlp.experts.linear_fc1.weight*", "layers.*.experts.gate_up_proj"),
-    (RowParallelFusedExpertMapping, "decoder.layers.*.mlp.experts.linear_fc2.weight*", "layers.*.experts.down_proj"),
-    (Replicated, "decoder.layers.*.mlp.post_moe_layernorm.weight", "layers.*.post_feedforward_layernorm_2.weight"),
-)
-
-
-# The dense model (E2B / E4B / 31B): core/dense.py. KV-shared layers have a query projection
-# only (``linear_q``); the per-layer embeddings (PLE) live in the embedding and in each layer.
-DENSE_MAPPING_TABLE: MappingTable = (
-    *SHARED_MAPPING_ROWS,
-    (ColumnParallel, "decoder.layers.*.self_attention.linear_q.weight", "layers.*.self_attn.q_proj.weight"),
-    (Replicated, "decoder.layers.*.self_attention.linear_q.layer_norm_weight", "layers.*.input_layernorm.weight"),
-    (Replicated, "decoder.layers.*.mlp.linear_fc1.layer_norm_weight", "layers.*.pre_feedforward_layernorm.weight"),
-    (
-        GatedMLPMapping,
-        "decoder.layers.*.mlp.linear_fc1.weight",
-        {"gate": "layers.*.mlp.gate_proj.weight", "up": "layers.*.mlp.up_proj.weight"},
-    ),
-    (RowParallel, "decoder.layers.*.mlp.linear_fc2.weight", "layers.*.mlp.down_proj.weight"),
-    # per-layer embeddings (PLE): the token table is vocabulary-parallel, the projections are replicated
-    (ColumnParallel, "embedding.per_layer_embedding.weight", "embed_tokens_per_layer.weight"),
-    (Replicated, "embedding.per_layer_model_projection.weight", "per_layer_model_projection.weight"),
-    (Replicated, "embedding.per_layer_projection_norm.weight", "per_layer_projection_norm.weight"),
-    (Replicated, "decoder.layers.*.per_layer_input_gate.weight", "layers.*.per_layer_input_gate.weight"),
-    (Replicated, "decoder.layers.*.per_layer_projection.weight", "layers.*.per_layer_projection.weight"),
-    (Replicated, "decoder.layers.*.post_per_layer_input_norm.weight", "layers.*.post_per_layer_input_norm.weight"),
-)
-
-
-#: HF tensors with one row per vocabulary entry (padded on the Megatron side) -> their text-config size.
-VOCAB_TENSORS = {
-    "embed_tokens.weight": "vocab_size",
-    "lm_head.weight": "vocab_size",
-    "embed_tokens_per_layer.weight": "vocab_size_per_layer_input",
-}
-
-
-def build_registry(table: Iterable[tuple[type, str, str | dict[str, str]]], hf_prefix: str) -> MegatronMappingRegistry:
-    """Instantiate a mapping table for one HF class (prefix)."""
-    mappings = []
-    for mapping_cls, megatron_name, hf in table:
-        if isinstance(hf, dict):
-            mappings.append(mapping_cls(megatron_name, **{role: hf_prefix + name for role, name in hf.items()}))
-        else:
-            mappings.append(mapping_cls(megatron_param=megatron_name, hf_param=hf_prefix + hf))
-    return MegatronMappingRegistry(*mappings)
-
-
-_EXPERT_LAYOUT: ContextVar[str | None] = ContextVar("vime_gemma4_expert_layout", default=None)
-
-
-def expert_layout() -> str:
-    """The expert layout now: :func:`exporting_experts`' inside one, else the environment's, else stacked."""
-    return _EXPERT_LAYOUT.get() or check_expert_layout(os.environ.get(EXPERT_LAYOUT_ENV) or STACKED, EXPERT_LAYOUT_ENV)
-
-
-@contextlib.contextmanager
-def exporting_experts(layout: str) -> Iterator[None]:
-    """Export experts in ``layout`` inside this block (it overrides the environment); wrap each step of an export."""
-    token = _EXPERT_LAYOUT.set(check_expert_layout(layout))
-    try:
-        yield
-    finally:
-        _EXPERT_LAYOUT.reset(token)
-
-
-def in_expert_layout(layout: str, stream: Iterable[Any]) -> Iterator[Any]:
-    """``stream``'s items, each made inside :func:`exporting_experts` (``layout``); wrap an export with it.
-
-    The layout is set around each step of ``stream`` and reset before the item is handed on: set
-    inside a generator, a context variable would stay set in its consumer between items.
-    """
-    items = iter(stream)
-    while True:
-        with exporting_experts(layout):
-            item = next(items, _END)
-        if item is _END:
-            return
-        yield item
-
-
-_END = object()
-
-
-class UnsupportedCheckpoint(ValueError):
-    """The checkpoint is Gemma 4, but not one this plugin (on this Megatron-Bridge build) can convert."""
 
 
 class Gemma4LanguageModelBridge(Gemma4AdapterExport, ModelBridgeHooks):
@@ -244,8 +91,8 @@ class Gemma4LanguageModelBridge(Gemma4AdapterExport, ModelBridgeHooks):
         return provider
 
     def mapping_registry(self) -> MegatronMappingRegistry:
-        table = DENSE_MAPPING_TABLE if self._is_dense() else MOE_MAPPING_TABLE
-        return build_registry(table, LANGUAGE_MODEL_PREFIX[self._architecture()])
+        table = mapping_table.DENSE_MAPPING_TABLE if self._is_dense() else mapping_table.MOE_MAPPING_TABLE
+        return mapping_table.build_registry(table, LANGUAGE_MODEL_PREFIX[self._architecture()])
 
     def build_conversion_tasks(self, hf_pretrained: Any, megatron_model: list, weight_dtype: Any = None) -> list:
         """Megatron-Bridge's tasks, refusing what upstream would skip with a warning or let through.
@@ -282,7 +129,7 @@ class Gemma4LanguageModelBridge(Gemma4AdapterExport, ModelBridgeHooks):
 
     def _unpadded(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` without the vocabulary padding rows, if it is a vocabulary table."""
-        field = next((f for suffix, f in VOCAB_TENSORS.items() if hf_name.endswith(suffix)), None)
+        field = next((f for suffix, f in mapping_table.VOCAB_TENSORS.items() if hf_name.endswith(suffix)), None)
         rows = getattr(self._text_config(), field, None) if field else None
         return tensor[:rows] if rows and tensor.shape[0] > rows else tensor
 
@@ -349,7 +196,7 @@ class Gemma4LanguageModelBridge(Gemma4AdapterExport, ModelBridgeHooks):
             local = extract_expert_number_from_param(task.param_name) % per_rank
         except ValueError:
             return None
-        per_expert = expert_layout() == PER_EXPERT
+        per_expert = expert_layout.expert_layout() == PER_EXPERT
         complete = {}
         for key, value in converted_weights_dict.items():
             gathered = ep_size > 1 and value.ndim > 0 and value.shape[0] == ep_size
@@ -385,16 +232,20 @@ class Gemma4LanguageModelBridge(Gemma4AdapterExport, ModelBridgeHooks):
 
         With the caller's own conversion tasks (vime's weight sync) the export reads only their
         weights, so the check, which reads the model's, is skipped (core/tied.py says why). The
-        stream is the language model (:meth:`converts_hf_tensor`), in block FP8 where the checkpoint stores it so.
+        stream is the language model (:meth:`converts_hf_tensor`), in block FP8 where the checkpoint
+        stores it so. A HF save of ``hf_pretrained``'s source that consumes it is completed from the
+        source (the towers: :meth:`converts_hf_tensor`, ``compat/hf_save``; docs/UPSTREAM.md 30), set
+        up here, before the caller hands the stream to that save.
         """
+        complete_saves_from_source(hf_pretrained, self.converts_hf_tensor, self.in_checkpoint_layout)
         arguments = inspect.signature(super().stream_weights_megatron_to_hf).bind(
             megatron_model, hf_pretrained, *args, **kwargs
         )
         return self._checked_stream(arguments.arguments.get("conversion_tasks") is None, arguments)
 
     def _checked_stream(self, check: bool, arguments: inspect.BoundArguments):
-        # vime's live sync only: a save, round trip or export sets the layout (exporting_experts)
-        fp8 = rollout_block_fp8_weights(arguments.args[1]) if _EXPERT_LAYOUT.get() is None else frozenset()
+        # vime's live sync only: a save, round trip or export sets the layout
+        fp8 = frozenset() if expert_layout.set_by_the_caller() else rollout_block_fp8_weights(arguments.args[1])
         if check:
             check_tied_embeddings(arguments.args[0])
         items = super().stream_weights_megatron_to_hf(*arguments.args, **arguments.kwargs)
@@ -405,14 +256,14 @@ class Gemma4LanguageModelBridge(Gemma4AdapterExport, ModelBridgeHooks):
 
     def in_checkpoint_layout(self, stream: Iterable[Any]) -> Iterator[Any]:
         """``stream`` with the experts stacked, as a checkpoint stores them, whatever ``VIME_GEMMA4_EXPERT_LAYOUT``
-        (vime's live sync's switch) says: the hook every HF save applies (``compat/hf_save.complete_saves_of``)."""
+        (vime's live sync's switch) says: the hook every HF save of this bridge's export applies."""
         return in_expert_layout(STACKED, stream)
 
     def converts_hf_tensor(self, hf_name: str) -> bool:
         """Whether the export yields the source tensor ``hf_name``: the language model's, not a VL tower's.
 
         The hook a complete HF save needs (docs/UPSTREAM.md 30): the other source tensors are passed
-        through from the source (``compat/hf_save.complete_saves_of``, applied at registration).
+        through from the source (:meth:`stream_weights_megatron_to_hf`).
         """
         return hf_name.startswith(LANGUAGE_MODEL_PREFIX[self._architecture()])
 
@@ -467,88 +318,6 @@ def check_conversion_tasks(tasks: list, megatron_model: list, unwrap_name: Any) 
                     f"persistent buffer {name!r} is a conversion task; vime's weight sync reads parameters only "
                     "(make it a frozen parameter)"
                 )
-
-
-#: Provider settings Megatron-Bridge's own ``MegatronModelBridge.CONFIG_MAPPING`` translates from a
-#: Gemma 4 text config (read in 0.6.2 and the fork at 1187a604 / d063066b: the same table).
-UPSTREAM_MAPPED_SETTINGS = frozenset(
-    {
-        "num_layers",
-        "hidden_size",
-        "ffn_hidden_size",
-        "num_attention_heads",
-        "num_query_groups",
-        "kv_channels",
-        "layernorm_epsilon",
-        "vocab_size",
-        "seq_length",
-        "init_method_std",
-        "share_embeddings_and_output_weights",
-        "num_moe_experts",
-        "moe_ffn_hidden_size",
-    }
-)
-
-
-def upstream_config_kwargs(text: Any) -> dict[str, Any]:
-    """:data:`UPSTREAM_MAPPED_SETTINGS` from ``text`` through Megatron-Bridge's ``CONFIG_MAPPING`` (first HF name wins).
-
-    The table, not ``hf_config_to_provider_kwargs``: that method also maps fields Gemma 4 sets
-    otherwise (dtype, activation, RoPE) and, on the fork, asserts a ``torch_dtype`` that a VL
-    checkpoint's text config may not declare.
-    """
-    kwargs: dict[str, Any] = {}
-    for hf_name, megatron_name in MegatronModelBridge.CONFIG_MAPPING:
-        if megatron_name in UPSTREAM_MAPPED_SETTINGS and megatron_name not in kwargs and hasattr(text, hf_name):
-            kwargs[megatron_name] = getattr(text, hf_name)
-    return kwargs  # Gemma4TextConfig defines every one of them (transformers' defaults where config.json is silent)
-
-
-def _common_settings(text: Any) -> dict[str, Any]:
-    """The provider settings of every Gemma 4 member (HF names on the right)."""
-    rope = getattr(text, "rope_parameters", None) or {}
-    full, sliding = rope.get(FULL) or {}, rope.get(SLIDING) or {}
-    for layer_type, params, expected in ((FULL, full, "proportional"), (SLIDING, sliding, "default")):
-        if params.get("rope_type", expected) != expected or params.get("factor", 1.0) != 1.0:
-            raise UnsupportedCheckpoint(
-                f"Gemma 4 {layer_type} RoPE {params} is not supported (expected rope_type={expected!r}, no factor)"
-            )
-    return {
-        **upstream_config_kwargs(text),
-        "layer_types": pattern_from_layer_types(text.layer_types),
-        "window_size": text.sliding_window,
-        "global_head_dim": text.global_head_dim or text.head_dim,
-        "num_global_key_value_heads": global_kv_heads(text),
-        "attention_k_eq_v": bool(getattr(text, "attention_k_eq_v", False)),
-        "global_rotary_percent": float(full.get("partial_rotary_factor", 1.0)),
-        "rotary_base": float(full.get("rope_theta", 1_000_000.0)),
-        "local_rotary_base": float(sliding.get("rope_theta", 10_000.0)),
-        "final_logit_softcapping": getattr(text, "final_logit_softcapping", None),
-    }
-
-
-def moe_provider(text: Any) -> Gemma4TextModelProvider:
-    """The MoE provider for a Gemma 4 text config."""
-    return Gemma4TextModelProvider(
-        **_common_settings(text),
-        moe_router_topk=text.top_k_experts,
-        moe_shared_expert_intermediate_size=text.intermediate_size,
-    )
-
-
-def dense_provider(text: Any) -> Gemma4DenseTextModelProvider:
-    """The dense provider (E2B / E4B / 31B) for a Gemma 4 text config."""
-    settings = _common_settings(text)
-    settings.pop("num_moe_experts", None)  # Gemma4TextConfig defines it for every member; dense has none
-    settings.pop("moe_ffn_hidden_size", None)
-    per_layer = int(getattr(text, "hidden_size_per_layer_input", 0) or 0)
-    return Gemma4DenseTextModelProvider(
-        **settings,
-        hidden_size_per_layer_input=per_layer,
-        vocab_size_per_layer_input=int(getattr(text, "vocab_size_per_layer_input", 0) or 0) if per_layer else 0,
-        num_kv_shared_layers=int(getattr(text, "num_kv_shared_layers", 0) or 0),
-        use_double_wide_mlp=bool(getattr(text, "use_double_wide_mlp", False)),
-    )
 
 
 class Gemma4CausalLMBridge(Gemma4LanguageModelBridge):

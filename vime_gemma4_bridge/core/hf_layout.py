@@ -94,7 +94,7 @@ STACKED = "stacked"
 PER_EXPERT = "per-expert"
 EXPERT_LAYOUTS = (STACKED, PER_EXPERT)
 #: vime's zero-edit switch: set to ``per-expert`` in the actor's environment, the bridge's own
-#: ``export_hf_weights`` yields each routed expert on its own (``core/bridge.expert_layout``).
+#: ``export_hf_weights`` yields each routed expert on its own (``core/expert_layout``).
 EXPERT_LAYOUT_ENV = "VIME_GEMMA4_EXPERT_LAYOUT"
 
 

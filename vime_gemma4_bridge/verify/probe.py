@@ -178,7 +178,7 @@ def probe_job(
                 task, functools.partial(recorder.watch, layer=layer, fc=fc, watched=watched)
             )
     final = _DenseFinal(recorder) if dense else None
-    from vime_gemma4_bridge.core.bridge import in_expert_layout
+    from vime_gemma4_bridge.core.expert_layout import in_expert_layout
 
     exported = model_bridge.stream_weights_megatron_to_hf(
         models, bridge.hf_pretrained, cpu=True, show_progress=False, conversion_tasks=selected
