@@ -49,9 +49,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_mapping_table_names_exactly_the_language_model(tiny: dict[str, Path], name: str) -> None:
     """Every HF language-model tensor the config implies is mapped; every row of the table names some."""
     import vime_gemma4_bridge  # noqa: F401  (TE guard)
-    from vime_gemma4_bridge.cli.preflight import expected_language_model
     from vime_gemma4_bridge.core.bridge import DENSE_MAPPING_TABLE, MOE_MAPPING_TABLE, build_registry
     from vime_gemma4_bridge.io.hf import HFCheckpoint
+    from vime_gemma4_bridge.io.hf_model import expected_language_model
 
     checkpoint = HFCheckpoint(tiny[name])
     assert checkpoint.prefix == LANGUAGE_MODEL_PREFIX[checkpoint.config["architectures"][0]]
@@ -93,8 +93,8 @@ def test_kv_sharing_pattern() -> None:
 
 
 def test_preflight_accepts_what_transformers_writes(tiny: dict[str, Path]) -> None:
-    from vime_gemma4_bridge.cli.preflight import check_language_model
     from vime_gemma4_bridge.io.hf import HFCheckpoint
+    from vime_gemma4_bridge.io.hf_model import check_language_model
 
     for path in tiny.values():
         check_language_model(HFCheckpoint(path))
