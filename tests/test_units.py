@@ -431,7 +431,8 @@ GEMMA4_12B_UNIFIED_TEXT = {
 def test_topology_replicates_fewer_global_kv_heads_than_tp_ranks() -> None:
     """The 12B's one global KV head: any TP that is a multiple of it (each rank a copy); a TP that neither
     divides nor is divided by the global KV heads is refused in one line, naming them."""
-    from vime_gemma4_bridge.convert.topology import Topology, TopologyError, validate_model_topology
+    from vime_gemma4_bridge.convert.topology import Topology
+    from vime_gemma4_bridge.core.model_split import TopologyError, validate_model_topology
 
     config = {"model_type": "gemma4_unified", "text_config": GEMMA4_12B_UNIFIED_TEXT}
     for tp in (1, 2, 4, 8):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from vime_gemma4_bridge.convert.topology import Topology, validate_model_topology
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.core.model_split import validate_model_topology
 from vime_gemma4_bridge.io.hf import HFCheckpoint
 from vime_gemma4_bridge.io.hf_model import check_config, check_language_model
 from vime_gemma4_bridge.runtime.launch import requested_world_size
