@@ -173,6 +173,23 @@ def test_import_layers() -> None:
     assert {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES} == {}, f"modules over {MAX_MODULE_LINES} lines"
 
 
+#: The command modules that may use the test factory (testing/): the commands about it. ``tiny`` writes its
+#: checkpoints, ``demo`` runs on the built-in tiny model, the bench (``bench`` and its report) on a synthetic one.
+TEST_FACTORY_COMMANDS = {"tiny", "demo", "bench", "bench_report"}
+
+
+def test_only_the_commands_about_it_import_the_test_factory() -> None:
+    """Every other command runs on the user's checkpoints: what it needs lives in the layer that owns it, not in
+    testing/, so the shipped command line reaches the test factory only through these commands."""
+    users = {
+        name.removeprefix("vime_gemma4_bridge.cli.")
+        for name, imported in _package_imports().items()
+        if name.startswith("vime_gemma4_bridge.cli.")
+        and any(module.startswith("vime_gemma4_bridge.testing") for module in imported)
+    }
+    assert users == TEST_FACTORY_COMMANDS
+
+
 REPO = Path(__file__).resolve().parents[1]
 #: Where entries of docs/UPSTREAM.md are cited: the package, the scripts, the recipes, the tests and the docs.
 CITING = ("vime_gemma4_bridge/**/*.py", "scripts/*", "recipes/*", "tests/*.py", "docs/*.md", "README.md")
