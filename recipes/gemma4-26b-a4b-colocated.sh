@@ -288,7 +288,8 @@ mkdir -p "${SAVE_DIR}"
 if [[ "${SKIP_TOPOLOGY_CHECK:-0}" != 1 ]]; then
   "${PYTHON}" - "${HF_CKPT}/config.json" "${TP}" "${PP}" "${EP}" "${ETP}" "${TOTAL_GPUS}" <<'PY'
 import json, sys
-from vime_gemma4_bridge.convert.topology import Topology, validate_model_topology
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.core.model_split import validate_model_topology
 config_path, tp, pp, ep, etp, world = sys.argv[1], *map(int, sys.argv[2:])
 topology = Topology(tp=tp, pp=pp, ep=ep, etp=etp)
 topology.validate(world)

@@ -334,8 +334,8 @@ def test_ranks_die_with_a_killed_owner() -> None:
 _TORCHRUN_JOB = """
 import os, sys, time
 import torch.distributed as dist
-from vime_gemma4_bridge.io.commit import partial_path
-from vime_gemma4_bridge.runtime.launch import launch
+from vime_gemma4_bridge.io.commit import partial_path, remove_own_partials
+from vime_gemma4_bridge.runtime.launch import at_launcher_gone, launch
 
 def job(out):
     if dist.get_rank() == 0:
@@ -346,6 +346,7 @@ def job(out):
         dist.barrier()
         time.sleep(0.05)
 
+at_launcher_gone(remove_own_partials)  # as the command line does
 launch(None, job, sys.argv[1])
 """
 

@@ -382,7 +382,7 @@ def test_model_flags_equal_the_26b_config(name: str, env: dict, dry_run) -> None
 
 @pytest.fixture(scope="module")
 def validate_model_topology() -> Callable:
-    from vime_gemma4_bridge.convert.topology import validate_model_topology
+    from vime_gemma4_bridge.core.model_split import validate_model_topology
 
     return validate_model_topology
 
@@ -414,7 +414,7 @@ def test_actor_topology_fits_the_26b_model(name: str, env: dict, dry_run, valida
 
 def test_an_impossible_topology_is_caught(dry_run, validate_model_topology) -> None:
     """The checks above do reject a layout the model cannot take (EP3: 128 experts do not split in 3)."""
-    from vime_gemma4_bridge.convert.topology import TopologyError
+    from vime_gemma4_bridge.core.model_split import TopologyError
 
     run = dry_run(DISAGGREGATED, EP="3", ETP="1")
     with pytest.raises(TopologyError, match="experts"):
@@ -542,7 +542,7 @@ def test_miles_recipe_is_a_launch_miles_can_carry(name: str, env: dict, dry_run,
     from megatron.training.arguments import add_megatron_arguments
 
     from vime_gemma4_bridge.convert.miles import ENTRY_POINT, launch_problems
-    from vime_gemma4_bridge.convert.topology import validate_model_topology
+    from vime_gemma4_bridge.core.model_split import validate_model_topology
 
     run = dry_run(name, **env)
     parser = argparse.ArgumentParser(allow_abbrev=False, conflict_handler="resolve")

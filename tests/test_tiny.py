@@ -307,8 +307,8 @@ def test_presets_carry_the_published_shapes(name: str) -> None:
 def test_cli_preset_writes_tensor_by_tensor_and_refuses_a_bad_cut(tmp_path: Path, capsys) -> None:
     """``tiny --preset e2b --layers 1``: real widths (a 262144 x 1536 embedding), the pre-flight accepts it,
     its shards carry digests; ``--layers 0`` is refused in one line and writes nothing."""
-    from vime_gemma4_bridge.cli.preflight import check_config, check_language_model
     from vime_gemma4_bridge.io.hf import HFCheckpoint
+    from vime_gemma4_bridge.io.hf_model import check_config, check_language_model
 
     out = tmp_path / "e2b"
     assert cli.main(["tiny", str(out), "--preset", "e2b", "--layers", "1"]) == 0

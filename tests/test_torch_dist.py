@@ -262,7 +262,9 @@ def test_import_refusals(checkpoints, capsys, tmp_path: Path) -> None:
     for extra, needles in refusals:
         assert_refused(capsys, base + extra, needles, save)
 
-    ffn = variant(hf, tmp_path / "ffn36", text={"intermediate_size": 36, "attention_k_eq_v": False})
+    # A whole checkpoint of that shape: the split is checked after the tensors agree with the config.
+    ffn36 = dataclasses.replace(CHECKPOINTS["moe-vl"], intermediate_size=36, attention_k_eq_v=False)
+    ffn = write_tiny_checkpoint(tmp_path / "ffn36", ffn36)
     argv = ["import", "--hf-checkpoint", ffn, "--save", save, "--tp", "8", "--nproc", "8"]
     assert_refused(capsys, argv, ("36 FFN size (intermediate_size)", "--tp 8"), save)
 

@@ -49,9 +49,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_mapping_table_names_exactly_the_language_model(tiny: dict[str, Path], name: str) -> None:
     """Every HF language-model tensor the config implies is mapped; every row of the table names some."""
     import vime_gemma4_bridge  # noqa: F401  (TE guard)
-    from vime_gemma4_bridge.cli.preflight import expected_language_model
     from vime_gemma4_bridge.core.mapping_table import DENSE_MAPPING_TABLE, MOE_MAPPING_TABLE, build_registry
     from vime_gemma4_bridge.io.hf import HFCheckpoint
+    from vime_gemma4_bridge.io.hf_model import expected_language_model
 
     checkpoint = HFCheckpoint(tiny[name])
     assert checkpoint.prefix == LANGUAGE_MODEL_PREFIX[checkpoint.config["architectures"][0]]
@@ -93,8 +93,8 @@ def test_kv_sharing_pattern() -> None:
 
 
 def test_preflight_accepts_what_transformers_writes(tiny: dict[str, Path]) -> None:
-    from vime_gemma4_bridge.cli.preflight import check_language_model
     from vime_gemma4_bridge.io.hf import HFCheckpoint
+    from vime_gemma4_bridge.io.hf_model import check_language_model
 
     for path in tiny.values():
         check_language_model(HFCheckpoint(path))
@@ -171,6 +171,23 @@ def test_import_layers() -> None:
     root = Path(__file__).resolve().parents[1] / "vime_gemma4_bridge"
     sizes = {path.relative_to(root.parent): len(path.read_text().splitlines()) for path in root.rglob("*.py")}
     assert {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES} == {}, f"modules over {MAX_MODULE_LINES} lines"
+
+
+#: The command modules that may use the test factory (testing/): the commands about it. ``tiny`` writes its
+#: checkpoints, ``demo`` runs on the built-in tiny model, the bench (``bench`` and its report) on a synthetic one.
+TEST_FACTORY_COMMANDS = {"tiny", "demo", "bench", "bench_report"}
+
+
+def test_only_the_commands_about_it_import_the_test_factory() -> None:
+    """Every other command runs on the user's checkpoints: what it needs lives in the layer that owns it, not in
+    testing/, so the shipped command line reaches the test factory only through these commands."""
+    users = {
+        name.removeprefix("vime_gemma4_bridge.cli.")
+        for name, imported in _package_imports().items()
+        if name.startswith("vime_gemma4_bridge.cli.")
+        and any(module.startswith("vime_gemma4_bridge.testing") for module in imported)
+    }
+    assert users == TEST_FACTORY_COMMANDS
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -499,7 +516,8 @@ GEMMA4_12B_UNIFIED_TEXT = {
 def test_topology_replicates_fewer_global_kv_heads_than_tp_ranks() -> None:
     """The 12B's one global KV head: any TP that is a multiple of it (each rank a copy); a TP that neither
     divides nor is divided by the global KV heads is refused in one line, naming them."""
-    from vime_gemma4_bridge.convert.topology import Topology, TopologyError, validate_model_topology
+    from vime_gemma4_bridge.convert.topology import Topology
+    from vime_gemma4_bridge.core.model_split import TopologyError, validate_model_topology
 
     config = {"model_type": "gemma4_unified", "text_config": GEMMA4_12B_UNIFIED_TEXT}
     for tp in (1, 2, 4, 8):

@@ -36,17 +36,10 @@ def run(args: argparse.Namespace) -> int:
     hf1 = write_tiny_checkpoint(workdir / "hf1-tiny-gemma4", TinySpec(), force=True)
     print(f"demo: wrote tiny Gemma 4 checkpoint {hf1}")
     print("demo: HF1 -> Megatron (TP2·PP2·EP2·ETP1, 4 gloo CPU ranks) -> HF2, compared bitwise")
-    roundtrip_args = argparse.Namespace(
-        hf_checkpoint=str(hf1),
-        tp=2,
-        pp=2,
-        vpp=None,
-        ep=2,
-        etp=1,
-        nproc=4,
-        output=str(workdir / "hf2-roundtrip"),
-        force=True,
-        max_shard_size="5GB",
-        json=False,
-    )
+    # The round trip's own parser reads these, so its defaults (shard size, --json, ...) are the command's.
+    parser = argparse.ArgumentParser(prog="vime-gemma4")
+    roundtrip.add_parser(parser.add_subparsers())
+    topology = ["--tp", "2", "--pp", "2", "--ep", "2", "--etp", "1", "--nproc", "4"]
+    output = ["--output", str(workdir / "hf2-roundtrip"), "--force"]
+    roundtrip_args = parser.parse_args(["roundtrip", "--hf-checkpoint", str(hf1), *topology, *output])
     return roundtrip.run(roundtrip_args)

@@ -108,14 +108,18 @@ def run_command(prog: str, args: argparse.Namespace) -> int:
     output was committed (``args.output_arg`` names the command's output argument) is no failure:
     the output is complete and stays, the command exits 0 and says so.
 
-    After an interrupt or a failure (any non-zero status) the partials of the output whose writer is gone are removed
-    (:func:`~vime_gemma4_bridge.io.commit.remove_stale_partials`): a rank that named and wrote its own
-    partial (``export-live``'s rank 0) was killed with its world and could not clean up itself.
+    A torchrun rank whose torchrun is killed removes the partials it named before it ends
+    (:func:`~vime_gemma4_bridge.runtime.launch.at_launcher_gone`: the launcher knows no outputs). After
+    an interrupt or a failure (any non-zero status) the partials of the output whose writer is gone are
+    removed (:func:`~vime_gemma4_bridge.io.commit.remove_stale_partials`): a rank that named and wrote
+    its own partial (``export-live``'s rank 0) was killed with its world and could not clean up itself.
     """
     from vime_gemma4_bridge.compat import quiet
-    from vime_gemma4_bridge.io.commit import committed_since, identity, remove_stale_partials
+    from vime_gemma4_bridge.io.commit import committed_since, identity, remove_own_partials, remove_stale_partials
+    from vime_gemma4_bridge.runtime.launch import at_launcher_gone
     from vime_gemma4_bridge.runtime.world import VERBOSE_ENV
 
+    at_launcher_gone(remove_own_partials)  # a torchrun rank whose launcher died removes what it was writing
     if getattr(args, "verbose", False):
         os.environ[VERBOSE_ENV] = "1"  # rank processes keep their noise too
     else:

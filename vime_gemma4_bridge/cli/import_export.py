@@ -12,12 +12,10 @@ import argparse
 import json
 import shutil
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from vime_gemma4_bridge.cli.arguments import add_job_arguments
 from vime_gemma4_bridge.cli.live import print_misfits
-from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.runtime.launch import is_reporting_process, launch
 
 __all__ = ["add_parsers", "main_export", "main_import", "run_export", "run_import"]
@@ -131,20 +129,17 @@ def run_import(args: argparse.Namespace) -> int:
     """``import``: every refusal before ranks start; exit 0 on success, 1 if a rank failed, 2 on bad input."""
     from vime_gemma4_bridge.cli import errors, preflight
     from vime_gemma4_bridge.convert.torch_dist_jobs import import_job
-    from vime_gemma4_bridge.io import hf
     from vime_gemma4_bridge.io.commit import partial_path
 
-    def output_checks(topology: Topology, source: hf.HFCheckpoint) -> Path:
-        hf.refuse_overlap(args.save, "--save", {"--hf-checkpoint": source.path})
-        return hf.prepare_output(args.save, force=args.force)
-
     try:
-        topology, source, out = preflight.command_inputs(args, output_checks)
+        inputs = preflight.command_inputs(args, output="--save")
     except ValueError as error:
         return errors.refuse(args.prog, error)
+    out = inputs.output
     partial = partial_path(out)
     try:
-        results = launch(args.nproc, import_job, str(source.path), str(out), str(partial), topology, replace=args.force)
+        locations = (str(inputs.source.path), str(out), str(partial))
+        results = launch(args.nproc, import_job, *locations, inputs.topology, replace=args.force)
         _report(args, results[0])
     except KeyboardInterrupt:  # SIGINT or SIGTERM: errors.run_command says whether the output was complete
         shutil.rmtree(partial, ignore_errors=True)
@@ -159,26 +154,15 @@ def run_export(args: argparse.Namespace) -> int:
     """``export``: every refusal before ranks start; exit 0 on success, 1 if a rank failed, 2 on bad input."""
     from vime_gemma4_bridge.cli import errors, preflight
     from vime_gemma4_bridge.convert.torch_dist_jobs import export_job
-    from vime_gemma4_bridge.io import hf
-    from vime_gemma4_bridge.io.torch_dist import TorchDistCheckpoint
-
-    def output_checks(topology: Topology, source: hf.HFCheckpoint) -> tuple[TorchDistCheckpoint, Path, int]:
-        checkpoint = TorchDistCheckpoint(args.load)
-        hf.refuse_overlap(args.output, "--output", {"--hf-checkpoint": source.path, "--load": checkpoint.path})
-        out = hf.prepare_output(args.output, force=args.force)
-        return checkpoint, out, hf.parse_size(args.max_shard_size, "--max-shard-size")
 
     try:
-        # The HF checkpoint agrees with itself (the pre-flight's last check), then with the torch_dist one.
-        topology, source, (checkpoint, out, max_shard_size) = preflight.command_inputs(args, output_checks)
-        checkpoint.check_files()
-        checkpoint.check_layout()
-        checkpoint.check_matches(source)
+        # The HF checkpoint agrees with itself, then the torch_dist one with it (the pre-flight's order).
+        inputs = preflight.command_inputs(args, output="--output", size="--max-shard-size", torch_dist="--load")
     except ValueError as error:
         return errors.refuse(args.prog, error)
     try:
-        locations = (str(checkpoint.path), str(source.path), str(out))
-        results = launch(args.nproc, export_job, *locations, topology, args.force, max_shard_size, args.quantize)
+        locations = (str(inputs.torch_dist.path), str(inputs.source.path), str(inputs.output))
+        results = launch(args.nproc, export_job, *locations, inputs.topology, args.force, inputs.size, args.quantize)
         _report(args, results[0])
     except KeyboardInterrupt:  # errors.run_command says whether the output was complete
         raise

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 from vime_gemma4_bridge.cli.arguments import add_job_arguments
-from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.core.hf_layout import EXPERT_LAYOUT_ENV, EXPERT_LAYOUTS, PER_EXPERT, STACKED
 from vime_gemma4_bridge.runtime.launch import is_reporting_process, launch
 
@@ -68,17 +67,12 @@ def run_export_live(args: argparse.Namespace) -> int:
     """``export-live``: every refusal before ranks start (exit 2), then the job on every rank; exit 0."""
     from vime_gemma4_bridge.cli import errors, preflight
     from vime_gemma4_bridge.convert.live import export_live_job
-    from vime_gemma4_bridge.io import hf
-
-    def output_checks(topology: Topology, source: hf.HFCheckpoint) -> int:
-        hf.refuse_overlap(args.dump, "--dump", {"--hf-checkpoint": source.path})
-        hf.prepare_output(args.dump, force=args.force)
-        return hf.parse_size(args.buffer_size, "--buffer-size")
 
     try:
-        topology, _, buffer_size = preflight.command_inputs(args, output_checks)
+        inputs = preflight.command_inputs(args, output="--dump", size="--buffer-size")
     except ValueError as error:
         return errors.refuse("vime-gemma4 export-live", error)
+    topology, buffer_size = inputs.topology, inputs.size
     layout = PER_EXPERT if args.quantize else args.expert_layout
     result = launch(
         args.nproc,

@@ -4,18 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from vime_gemma4_bridge.cli import errors
 from vime_gemma4_bridge.cli.arguments import add_job_arguments
-from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.runtime.launch import is_reporting_process, launch
 from vime_gemma4_bridge.verify.parity import DEFAULT_BATCH, DTYPE_NAMES, ParityResult, default_seq_len, parity_job
-
-if TYPE_CHECKING:
-    from vime_gemma4_bridge.io.hf import HFCheckpoint
 
 PROG = "vime-gemma4 parity"
 DESCRIPTION = """\
@@ -72,20 +65,18 @@ def run(args: argparse.Namespace) -> int:
     from vime_gemma4_bridge.cli import preflight
     from vime_gemma4_bridge.core.hf_layout import text_config_dict
 
-    def forward_shape(topology: Topology, source: HFCheckpoint) -> int:
-        seq_len = args.seq_len if args.seq_len is not None else default_seq_len(text_config_dict(source.config))
+    try:
+        inputs = preflight.command_inputs(args)
+        text = text_config_dict(inputs.source.config)
+        seq_len = args.seq_len if args.seq_len is not None else default_seq_len(text)
         if seq_len < 1:
             raise ValueError(f"--seq-len must be a whole number >= 1, got {seq_len}")
         if args.batch < 1:
             raise ValueError(f"--batch must be a whole number >= 1, got {args.batch}")
-        return seq_len
-
-    world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        topology, _, seq_len = preflight.command_inputs(args, forward_shape, world_size=world)
     except ValueError as error:
         return errors.refuse(PROG, error)
-    job_args = (str(Path(args.hf_checkpoint)), topology, args.dtype, seq_len, args.batch)
+    topology, world = inputs.topology, inputs.world_size
+    job_args = (str(inputs.source.path), topology, args.dtype, seq_len, args.batch)
     results = launch(args.nproc, parity_job, *job_args, fp32_max_abs=args.fp32_max_abs)
     result = results[0]
     if is_reporting_process():

@@ -1,213 +1,86 @@
 """The pre-flight of the commands: everything that can be refused before any rank starts, in one place.
 
 :func:`command_inputs` is the preamble every command that converts a HF checkpoint at a topology
-runs (``roundtrip``, ``parity``, ``probe``; ``import``, ``export`` and ``export-live`` can call it
-too): the topology against the world, the checkpoint opened, the model against the topology, the
-command's own checks, then :func:`check_language_model`. Each refusal is a ``ValueError`` whose
-message is the whole story; the command prints it with :func:`vime_gemma4_bridge.cli.errors.refuse`
-and exits 2.
-
-:func:`check_language_model` compares a checkpoint's language-model tensors with what its own
-``config.json`` implies, from the safetensors headers only (no tensor data: seconds for 26B-A4B).
-What the config implies is transformers' own answer: the state dict of a meta-device model of that
-config (no memory), language-model part, tied aliases dropped. A config that lies (``num_experts``
-edited), a missing or extra tensor, a wrong dtype or shape: each is one line, at most ten, then a
-count.
+runs (``roundtrip``, ``parity``, ``probe``, ``import``, ``export``, ``export-live``). A command names
+its inputs (its output flag, its size flag, a torch_dist checkpoint it reads) instead of handing in
+checks of its own, so the pre-flight keeps one order for all of them and each check is asked of the
+layer that owns it from the top down: the topology (convert), the files on disk (io), then the
+model's own rule of how it splits (core). Each refusal is a ``ValueError`` whose message is the
+whole story; the command prints it with :func:`vime_gemma4_bridge.cli.errors.refuse` and exits 2.
+The checks of the model itself live with the checkpoint, in :mod:`vime_gemma4_bridge.io.hf_model`.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
 
-from vime_gemma4_bridge.convert.topology import Topology, validate_model_topology
-from vime_gemma4_bridge.core.hf_layout import (
-    LANGUAGE_MODEL_PREFIX,
-    MODEL_TYPES,
-    UNTIED_REFUSAL,
-    declared_dtype,
-    text_config_dict,
-    ties_embeddings,
-)
-from vime_gemma4_bridge.io.hf import SAFETENSORS_DTYPES, CheckpointError, HFCheckpoint
+from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.core.model_split import validate_model_topology
+from vime_gemma4_bridge.io.hf import HFCheckpoint, parse_size, prepare_output, refuse_overlap
+from vime_gemma4_bridge.io.hf_model import check_config, check_language_model
+from vime_gemma4_bridge.io.torch_dist import TorchDistCheckpoint
 from vime_gemma4_bridge.runtime.launch import requested_world_size
 
-#: Problems listed one per line before the rest are counted.
-MAX_LISTED = 10
+
+@dataclass(frozen=True)
+class CommandInputs:
+    """What the pre-flight accepted: everything a command launches its job with."""
+
+    topology: Topology
+    #: The world the job runs in: ``--nproc``, else torchrun's ``WORLD_SIZE``, else 1.
+    world_size: int
+    source: HFCheckpoint
+    #: The output directory, checked writable (None: the command has none, or it was not asked for).
+    output: Path | None
+    #: The size flag's bytes (None: the command has no size flag).
+    size: int | None
+    #: The torch_dist checkpoint the command reads, checked against ``source`` (None: it reads none).
+    torch_dist: TorchDistCheckpoint | None
 
 
-class PreflightError(CheckpointError):
-    """The checkpoint's tensors do not match its config.json; the message has one line per problem."""
-
-
-class ConfigError(CheckpointError):
-    """A config.json field has the wrong type, is missing, or has a value no Gemma 4 model can have."""
-
-
-#: Text-config fields that size the model: integers ≥ 1 wherever they are set.
-_SIZES = (
-    "num_hidden_layers",
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "max_position_embeddings",
-    "sliding_window",
-    "global_head_dim",
-    "num_global_key_value_heads",
-    "num_experts",
-    "top_k_experts",
-    "moe_intermediate_size",
-)
-#: Integers ≥ 0 (0: the feature is off).
-_COUNTS = ("num_kv_shared_layers", "hidden_size_per_layer_input", "vocab_size_per_layer_input")
-_LAYER_TYPES = ("sliding_attention", "full_attention")
-
-
-def check_config(checkpoint: HFCheckpoint) -> dict[str, Any]:
-    """The config as transformers reads it (defaults filled in), or :class:`ConfigError` naming the field.
-
-    In this order: the raw ``config.json`` values of the size fields are integers; transformers'
-    own (strict) config class accepts the file; the values can build a model (sizes ≥ 1, MoE
-    fields present, ``top_k_experts`` ≤ ``num_experts``, one known ``layer_types`` entry per
-    layer, KV-shared layers fewer than the layers, query heads a multiple of KV heads). A field
-    missing from ``config.json`` is transformers' default, as it is for every reader of the file.
-    """
-    import transformers
-
-    where = "text_config." if "text_config" in checkpoint.config else ""
-    raw = text_config_dict(checkpoint.config)
-
-    def refuse(field: str, problem: str) -> ConfigError:
-        return ConfigError(f"{checkpoint.path / 'config.json'}: {where}{field} {problem}; fix config.json")
-
-    if raw.get("model_type", "gemma4_text") not in MODEL_TYPES:  # transformers would read it as Gemma 4
-        raise ConfigError(
-            f"{checkpoint.path / 'config.json'}: {where}model_type {raw['model_type']!r} is not Gemma 4 "
-            f"(one of {', '.join(MODEL_TYPES)})"
-        )
-    for field in (*_SIZES, *_COUNTS):
-        value = raw.get(field)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise refuse(field, f"is {value!r}, not an integer")
-    if "layer_types" in raw:  # before transformers, which rewrites the last entry
-        _check_layer_types(raw["layer_types"], raw.get("num_hidden_layers"), refuse)
-    try:
-        config = transformers.AutoConfig.from_pretrained(checkpoint.path)
-    except Exception as error:  # noqa: BLE001 (transformers' strict validation raises its own types)
-        why = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
-        raise ConfigError(
-            f"{checkpoint.path / 'config.json'} is refused by transformers ({why}); fix config.json"
-        ) from None
-    if not ties_embeddings(config):
-        raise ConfigError(f"{checkpoint.path / 'config.json'}: {UNTIED_REFUSAL}")
-    text = (config.text_config if hasattr(config, "text_config") else config).to_dict()
-    moe = bool(text.get("enable_moe_block"))
-    for field in _SIZES:
-        value = text.get(field)
-        required = field not in ("global_head_dim", "num_global_key_value_heads") and (
-            moe or field not in ("num_experts", "top_k_experts", "moe_intermediate_size")
-        )
-        if value is None and required:
-            raise refuse(field, "is missing" + (" (enable_moe_block is true)" if moe else ""))
-        if value is not None and value < 1:
-            raise refuse(field, f"is {value}; it must be at least 1")
-    for field in _COUNTS:
-        if (text.get(field) or 0) < 0:
-            raise refuse(field, f"is {text[field]}; it must be 0 or more")
-    layers = text["num_hidden_layers"]
-    if moe and text["top_k_experts"] > text["num_experts"]:
-        raise refuse("top_k_experts", f"is {text['top_k_experts']}, more than num_experts ({text['num_experts']})")
-    if (text.get("num_kv_shared_layers") or 0) >= layers:
-        raise refuse("num_kv_shared_layers", f"is {text['num_kv_shared_layers']}; it must be below {layers} layers")
-    if text["num_attention_heads"] % text["num_key_value_heads"]:
-        raise refuse(
-            "num_key_value_heads",
-            f"is {text['num_key_value_heads']}, which does not divide num_attention_heads "
-            f"({text['num_attention_heads']})",
-        )
-    _check_layer_types(text.get("layer_types"), layers, refuse)
-    return config.to_dict()
-
-
-def _check_layer_types(types: Any, layers: Any, refuse: Callable[[str, str], ConfigError]) -> None:
-    """One known attention type per layer (``layers``: the layer count, when known)."""
-    if not isinstance(types, list):
-        raise refuse("layer_types", f"is {types!r}, not a list of {list(_LAYER_TYPES)}")
-    if layers is not None and len(types) != layers:
-        raise refuse("layer_types", f"has {len(types)} entries for {layers} layers (num_hidden_layers)")
-    unknown = [t for t in types if t not in _LAYER_TYPES]
-    if unknown:
-        raise refuse("layer_types", f"holds {unknown[0]!r}; each entry is one of {list(_LAYER_TYPES)}")
-
-
-def expected_language_model(checkpoint: HFCheckpoint) -> dict[str, tuple[list[int], str]]:
-    """``{name: (shape, safetensors dtype)}`` of every language-model tensor the config implies."""
-    import torch
-    import transformers
-
-    from vime_gemma4_bridge.compat import seams
-
-    config = transformers.AutoConfig.from_pretrained(checkpoint.path)
-    architecture = next(a for a in config.architectures if a in LANGUAGE_MODEL_PREFIX)
-    dtype = declared_dtype(config) or torch.float32
-    with torch.device("meta"), torch.random.fork_rng(devices=[]):
-        model = getattr(transformers, architecture)(config)
-    tied = seams.tied_weights_keys(model)
-    expected = {}
-    for name, tensor in model.state_dict().items():
-        if name.startswith(checkpoint.prefix) and name not in tied:
-            tensor_dtype = dtype if tensor.is_floating_point() else tensor.dtype
-            expected[name] = (list(tensor.shape), SAFETENSORS_DTYPES[tensor_dtype])
-    return expected
-
-
-def check_language_model(checkpoint: HFCheckpoint) -> None:
-    """Raise :class:`PreflightError` unless the language-model tensors are exactly what the config implies."""
-    expected = expected_language_model(checkpoint)
-    found = checkpoint.signatures(checkpoint.language_model_names())
-    problems = []
-    for name, (shape, dtype) in expected.items():
-        if name not in found:
-            problems.append(f"{name}: missing (config.json implies {dtype} {shape})")
-        elif found[name] != (shape, dtype):
-            problems.append(f"{name}: {found[name][1]} {found[name][0]} found, config.json implies {dtype} {shape}")
-    problems += [
-        f"{name}: unexpected language-model tensor (config.json implies no such tensor)"
-        for name in found
-        if name not in expected
-    ]
-    if problems:
-        listed = problems[:MAX_LISTED]
-        more = len(problems) - len(listed)
-        raise PreflightError(
-            f"HF checkpoint {checkpoint.path} does not match its config.json ({len(problems)} problem(s)); "
-            "fix the checkpoint or its config:\n  " + "\n  ".join(listed) + (f"\n  ... and {more} more" if more else "")
-        )
-
-
-def command_inputs[T](
+def command_inputs(
     args: argparse.Namespace,
-    checks: Callable[[Topology, HFCheckpoint], T] | None = None,
     *,
-    world_size: int | None = None,
-) -> tuple[Topology, HFCheckpoint, T | None]:
-    """``(topology, source, what checks returned)`` of a command, or the ``ValueError`` refusing its input.
+    output: str | None = None,
+    size: str | None = None,
+    torch_dist: str | None = None,
+) -> CommandInputs:
+    """A command's inputs, or the ``ValueError`` refusing them; ``output``, ``size``, ``torch_dist``: its flags.
 
     In this order (the first problem is the one reported): the topology of ``--tp --pp --vpp --ep
-    --etp`` fits ``world_size`` (default: ``--nproc``, else torchrun's ``WORLD_SIZE``, else 1);
-    ``--hf-checkpoint`` opens (config, index, shards); its config names every field a model needs
-    with a valid value (:func:`check_config`); the model splits over the topology;
-    ``checks(topology, source)``, the command's own (outputs, sizes, ids), whose result is returned;
-    last the tensors against config.json (:func:`check_language_model`), the slowest check.
+    --etp`` fits the world (``--nproc``, else torchrun's ``WORLD_SIZE``, else 1); ``--hf-checkpoint``
+    opens (config, index, shards); its config names every field a model needs with a valid value
+    (:func:`~vime_gemma4_bridge.io.hf_model.check_config`); the ``torch_dist`` checkpoint opens; the
+    ``output`` (skipped when not given) overlaps no source and may be written (``--force`` replaces
+    it); the ``size`` parses; the tensors against config.json
+    (:func:`~vime_gemma4_bridge.io.hf_model.check_language_model`, the slowest file check); the
+    ``torch_dist`` checkpoint's files, its layout and its model against the HF one; last the model
+    splits over the topology (:func:`~vime_gemma4_bridge.core.model_split.validate_model_topology`,
+    from the config alone). A command's own checks that need the model (ids, lengths) come after.
     """
     topology = Topology.from_args(args)
-    topology.validate(requested_world_size(args.nproc) if world_size is None else world_size)
+    world_size = requested_world_size(args.nproc)
+    topology.validate(world_size)
     source = HFCheckpoint(args.hf_checkpoint)
-    validate_model_topology(check_config(source), topology)
-    extra = checks(topology, source) if checks is not None else None
+    config = check_config(source)
+    checkpoint = TorchDistCheckpoint(_value(args, torch_dist)) if torch_dist else None
+    out = None
+    if output and _value(args, output):
+        sources = {"--hf-checkpoint": source.path} | ({torch_dist: checkpoint.path} if checkpoint else {})
+        refuse_overlap(_value(args, output), output, sources)
+        out = prepare_output(_value(args, output), force=args.force)
+    size_bytes = parse_size(_value(args, size), size) if size else None
     check_language_model(source)
-    return topology, source, extra
+    if checkpoint:
+        checkpoint.check_files()
+        checkpoint.check_layout()
+        checkpoint.check_matches(source)
+    validate_model_topology(config, topology)
+    return CommandInputs(topology, world_size, source, out, size_bytes, checkpoint)
+
+
+def _value(args: argparse.Namespace, flag: str) -> str | None:
+    """The value argparse parsed for ``flag`` (``--max-shard-size`` is ``args.max_shard_size``)."""
+    return getattr(args, flag.lstrip("-").replace("-", "_"))

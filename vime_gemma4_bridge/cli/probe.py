@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from vime_gemma4_bridge.cli import errors
 from vime_gemma4_bridge.cli.arguments import add_job_arguments
-from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.runtime.launch import is_reporting_process, launch
-
-if TYPE_CHECKING:
-    from vime_gemma4_bridge.io.hf import HFCheckpoint
 
 PROG = "vime-gemma4 probe"
 DESCRIPTION = """\
@@ -79,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
     from vime_gemma4_bridge.core.hf_layout import text_config_dict
     from vime_gemma4_bridge.verify.probe import format_probe, probe_job
 
-    def chosen(topology: Topology, source: HFCheckpoint) -> tuple[list[int] | None, list[int] | None]:
-        text = text_config_dict(source.config)
+    try:
+        inputs = preflight.command_inputs(args)
+        text = text_config_dict(inputs.source.config)
         if args.experts and not text.get("enable_moe_block"):
             raise ValueError(
                 "--experts: this checkpoint is dense (no enable_moe_block), it has no experts; "
@@ -88,13 +83,9 @@ def run(args: argparse.Namespace) -> int:
             )
         experts = parse_id_list(args.experts, int(text["num_experts"]), "--experts") if args.experts else None
         layers = parse_id_list(args.layers, int(text["num_hidden_layers"]), "--layers") if args.layers else None
-        return experts, layers
-
-    try:
-        topology, _, (experts, layers) = preflight.command_inputs(args, chosen)
     except ValueError as error:
         return errors.refuse(PROG, error)
-    result = launch(args.nproc, probe_job, str(Path(args.hf_checkpoint)), topology, experts, layers)[0]
+    result = launch(args.nproc, probe_job, str(inputs.source.path), inputs.topology, experts, layers)[0]
     if is_reporting_process():
         print(json.dumps(result, indent=2) if args.json else format_probe(result))
     return 0 if result["ok"] else 1

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from vime_gemma4_bridge.cli import errors
 from vime_gemma4_bridge.cli.arguments import add_job_arguments
-from vime_gemma4_bridge.convert.topology import Topology
-from vime_gemma4_bridge.runtime.launch import is_reporting_process, launch, requested_world_size
+from vime_gemma4_bridge.runtime.launch import is_reporting_process, launch
 from vime_gemma4_bridge.verify.roundtrip import roundtrip_job
 
 PROG = "vime-gemma4 roundtrip"
@@ -41,26 +39,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Every refusal before ranks start (exit 2); then the round trip: exit 0 iff bitwise identical."""
     from vime_gemma4_bridge.cli import preflight
-    from vime_gemma4_bridge.io import hf as hf_io
-
-    def output_checks(topology: Topology, source: hf_io.HFCheckpoint) -> int:
-        if args.output:
-            hf_io.refuse_overlap(args.output, "--output", {"--hf-checkpoint": source.path})
-            hf_io.prepare_output(args.output, force=args.force)
-        return hf_io.parse_size(args.max_shard_size, "--max-shard-size")
 
     try:
-        topology, _, max_shard_size = preflight.command_inputs(args, output_checks)
+        inputs = preflight.command_inputs(args, output="--output", size="--max-shard-size")
     except ValueError as error:
         return errors.refuse(PROG, error)
+    topology = inputs.topology
     results = launch(
         args.nproc,
         roundtrip_job,
-        str(Path(args.hf_checkpoint)),
+        str(inputs.source.path),
         topology,
         args.output,
         args.force,
-        max_shard_size,
+        inputs.size,
     )
     result = results[0]
     if not is_reporting_process():
@@ -70,11 +62,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(result["report"])
         total = result["total"]
-        world = requested_world_size(args.nproc)
         verdict = "OK" if result["identical"] else "FAILED"
         print(
             f"roundtrip {verdict}: {total['equal']}/{total['count']} language-model tensors bitwise identical "
-            f"at {topology} on {world} rank(s)"
+            f"at {topology} on {inputs.world_size} rank(s)"
         )
         if args.output:
             print(f"wrote {result['output']}" if result.get("output") else "no output written: tensors differ")

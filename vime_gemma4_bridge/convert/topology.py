@@ -1,7 +1,9 @@
-"""A run's parallel topology: its sizes, whether the model splits that way, and megatron-core's state for it.
+"""A run's parallel topology: its sizes, whether they fit a world, and megatron-core's state for it.
 
-:class:`Topology` and :func:`validate_model_topology` are pure (the launcher refuses a bad topology in
-milliseconds, the recipes check theirs without torch); :func:`init_model_parallel` (re)initialises
+:class:`Topology` is pure (the launcher refuses a bad topology in milliseconds, the recipes check
+theirs without torch); whether a model splits over it is the model's rule
+(:func:`vime_gemma4_bridge.core.model_split.validate_model_topology`), read from a config below
+every checkpoint and command. :func:`init_model_parallel` (re)initialises
 megatron-core's parallel state on every rank of a running world, topology after topology in the same
 processes (:mod:`vime_gemma4_bridge.compat.parallel_state` forgets the previous one).
 """
@@ -12,12 +14,10 @@ import argparse
 import math
 import random
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from vime_gemma4_bridge.compat.parallel_state import reset_model_parallel, seed_cuda_rng_tracker
-from vime_gemma4_bridge.core.hf_layout import MODEL_TYPES, global_kv_heads, text_config_dict
 
 
 @dataclass(frozen=True)
@@ -133,41 +133,6 @@ class Topology:
             ep=getattr(args, "ep", 1),
             etp=getattr(args, "etp", 1),
         )
-
-
-class TopologyError(ValueError):
-    """The model's shape does not split over the requested topology."""
-
-
-def validate_model_topology(config: Mapping[str, Any], topology: Topology) -> None:
-    """Raise :class:`TopologyError` (one line: what and what to do) if the model cannot be split so."""
-    text = text_config_dict(config)
-    if text.get("model_type") not in MODEL_TYPES:
-        raise TopologyError(f"config model_type {text.get('model_type')!r} is not Gemma 4 ({', '.join(MODEL_TYPES)})")
-    moe = bool(text.get("enable_moe_block"))
-    layers = int(text["num_hidden_layers"])
-    checks: list[tuple[str, int, int, str]] = [
-        ("attention heads", int(text["num_attention_heads"]), topology.tp, "--tp"),
-        ("KV heads", int(text["num_key_value_heads"]), topology.tp, "--tp"),
-        ("FFN size (intermediate_size)", int(text["intermediate_size"]), topology.tp, "--tp"),
-    ]
-    global_kv = global_kv_heads(text)
-    # Fewer than TP: each rank keeps a whole copy of its head (megatron-core's attention gathers the
-    # QKV projection and picks its group; core/model.Gemma4SelfAttention its query heads): the 12B's one.
-    if global_kv != int(text["num_key_value_heads"]) and not (global_kv < topology.tp and topology.tp % global_kv == 0):
-        checks.append(("global KV heads", global_kv, topology.tp, "--tp"))
-    if moe:
-        checks += [
-            ("experts", int(text["num_experts"]), topology.ep, "--ep"),
-            ("expert FFN size (moe_intermediate_size)", int(text["moe_intermediate_size"]), topology.etp, "--etp"),
-        ]
-    stages = topology.pp * (topology.vpp or 1)
-    checks.append(("layers", layers, stages, "--pp/--vpp (PP×VPP)"))
-    for what, count, parts, flag in checks:
-        if count % parts:
-            raise TopologyError(f"{count} {what} do not divide by {flag} {parts}; choose a divisor of {count}")
-    if not moe and topology.ep > 1:
-        raise TopologyError("dense Gemma 4 has no experts to split: use --ep 1 (and --tp / --pp to split it)")
 
 
 def _seed_everything(seed: int) -> None:

@@ -53,7 +53,8 @@ def _sibling(out: str | os.PathLike) -> Path:
 def remove_own_partials() -> None:
     """Remove what this process was writing and never committed: it is ending without its job's clean-up.
 
-    For a rank whose launcher was killed (:func:`~vime_gemma4_bridge.runtime.launch.launch`): its
+    For a rank whose launcher was killed (the command line registers it with
+    :func:`~vime_gemma4_bridge.runtime.launch.at_launcher_gone`): its
     ``.partial-<pid>`` name would otherwise wait, its writer gone, for the next run to remove it.
     A committed partial is at its output by now, and an old output set aside by a commit in progress
     is not among these (it may be the only copy).

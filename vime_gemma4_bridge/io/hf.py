@@ -224,19 +224,19 @@ class HFCheckpoint:
 
 
 def parse_size(text: str, flag: str = "size") -> int:
-    """``"5GB"``, ``"500MB"``, ``"1GiB"``, ``"1024"`` → bytes (decimal units, as transformers' ``max_shard_size``).
+    """``"5GB"``, ``"500MB"``, ``"1GiB"``, ``"1000000"`` → bytes; a bare number is bytes.
 
-    Raises ``ValueError`` naming ``flag`` for anything that is not a positive size.
+    A size means what it means to transformers' ``max_shard_size`` because transformers' own parser
+    (``transformers.utils.hub.convert_file_size_to_int``) reads it: whole numbers of decimal KB/MB/GB
+    or binary KiB/MiB/GiB. The unit is read upper-cased, so ``5gb`` is bytes on the command line as
+    it always was here (transformers would read a lowercase ``b`` as bits). Raises ``ValueError``
+    naming ``flag`` for anything that is not a positive size.
     """
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    from transformers.utils.hub import convert_file_size_to_int
+
     value = text.strip().upper()
     try:
-        for unit, factor in sorted(units.items(), key=lambda item: -len(item[0])):
-            if value.endswith(unit):
-                size = int(float(value[: -len(unit)]) * factor)
-                break
-        else:
-            size = int(value.rstrip("B"))
+        size = int(value) if value.isdigit() else convert_file_size_to_int(value)
     except ValueError:
         raise ValueError(f"{flag} {text!r} is not a size; use e.g. 5GB, 500MB or 1000000") from None
     if size < 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -59,17 +60,48 @@ def watch_parent(on_gone: Callable[[], object], *, parent: int | None = None, ow
     (SIGKILL: no clean-up runs) took away; gloo and the TCP store give up only after their timeouts,
     with C++ stack traces. Re-parenting is the tell: ``parent`` (default: the parent now) is the one
     the process had; ``owner_pid`` (a process that is not the parent, e.g. behind a fork server) is
-    watched too, in case it died before this started.
+    watched too, in case it died before this started. A thread, not ``PR_SET_PDEATHSIG``: a signal's
+    Python handler runs only when the main thread next runs Python code, which a rank blocked in a
+    collective does not, and the kernel's death signal knows the parent alone, not an owner.
     """
     parent = os.getppid() if parent is None else parent
     _WATCHED[:] = [parent]
 
     def watch() -> None:
-        while os.getppid() == parent and (owner_pid is None or _exists(owner_pid)):
-            time.sleep(0.5)
+        _wait_until_gone(parent, owner_pid)
         on_gone()
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def _wait_until_gone(parent: int, owner_pid: int | None) -> None:
+    """Return once ``parent`` is no longer this process's parent or ``owner_pid`` has exited.
+
+    On Linux the kernel says so: a pidfd of each becomes readable when the process exits, so the
+    thread sleeps in ``poll`` until then (no wake-ups, no delay). Elsewhere (no ``os.pidfd_open``,
+    or a kernel before 5.3) it looks every half second.
+    """
+    pids = [parent] if owner_pid is None else [parent, owner_pid]
+    fds: list[int] = []
+    try:
+        for pid in pids:
+            fds.append(os.pidfd_open(pid))
+    except ProcessLookupError:
+        return  # already gone
+    except (AttributeError, OSError):
+        while os.getppid() == parent and (owner_pid is None or _exists(owner_pid)):
+            time.sleep(0.5)
+        return
+    try:
+        if os.getppid() != parent:
+            return  # died before its pidfd was opened: the number may be another process's by now
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        poller.poll()
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def parent_gone() -> bool:

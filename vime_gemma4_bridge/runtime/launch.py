@@ -33,6 +33,22 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
+#: What a torchrun rank runs before it ends because its launcher is gone (:func:`at_launcher_gone`).
+_AT_LAUNCHER_GONE: list[Callable[[], object]] = []
+
+
+def at_launcher_gone(cleanup: Callable[[], object]) -> None:
+    """Have :func:`launch` call ``cleanup`` on a torchrun rank that ends because torchrun is gone.
+
+    That end skips ``atexit`` and every ``finally``, so this is how a rank removes what it was
+    writing. The launcher knows no outputs (runtime stands below the checkpoints on disk): whoever
+    names them registers their removal, the command line its partial outputs. Registering the same
+    function again changes nothing.
+    """
+    if cleanup not in _AT_LAUNCHER_GONE:
+        _AT_LAUNCHER_GONE.append(cleanup)
+
+
 def requested_world_size(nproc: int | None) -> int:
     """The world a command will run in: ``--nproc``, else torchrun's ``WORLD_SIZE``, else one rank."""
     return nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
@@ -50,8 +66,9 @@ def launch(nproc: int | None, fn: Callable[..., Any], /, *args: Any, **kwargs: A
       all ranks' results;
     * already inside a process group (a ``LocalWorld`` rank) → call ``fn`` here: ``[result]``;
     * under torchrun → :func:`~vime_gemma4_bridge.runtime.group.init_from_env`, call ``fn`` on this
-      rank: ``[result]``; should torchrun die (SIGKILL), the rank removes the output it was writing
-      and ends at once, silently (:func:`_end_without_launcher`);
+      rank: ``[result]``; should torchrun die (SIGKILL), the rank runs what :func:`at_launcher_gone`
+      registered (the command line: removing the output it was writing) and ends at once, silently
+      (:func:`_end_without_launcher`);
     * otherwise → a one-rank world in this process
       (:func:`~vime_gemma4_bridge.runtime.group.single_process_group`): ``[result]``.
 
@@ -83,9 +100,8 @@ def _end_without_launcher() -> None:
     Without this the ranks would finish the job (a run that was stopped commits its output), or wait
     in a collective for a peer or the store until gloo's timeout and print C++ stack traces.
     """
-    from vime_gemma4_bridge.io.commit import remove_own_partials
-
     try:
-        remove_own_partials()
+        for cleanup in _AT_LAUNCHER_GONE:
+            cleanup()
     finally:
         os._exit(1)
