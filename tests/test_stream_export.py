@@ -9,6 +9,7 @@ plain tensor must go to ``torch.load``, and every file written must read back wi
 from __future__ import annotations
 
 import io
+import json
 import mmap
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from safetensors import safe_open
 
 from vime_gemma4_bridge.io import hf as hf_io
 from vime_gemma4_bridge.io import torch_dist_reader
+from vime_gemma4_bridge.io.digests import HEADER_KEY, header_digest
 
 
 def _item_file(tmp_path: Path, values: list[object]) -> tuple[mmap.mmap, list[tuple[int, int]]]:
@@ -70,7 +72,10 @@ def test_lazy_tensors_write_loadable_safetensors(tmp_path: Path) -> None:
     written = {**eager, "experts": experts}
     raw = {name: t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for name, t in written.items()}
     digests = {f"xxh3_128:{name}": xxhash.xxh3_128_hexdigest(data) for name, data in raw.items()}
-    assert metadata == {"format": "pt", **digests}
+    # and the header's own digest, of the header as written (its digest values blanked)
+    with open(tmp_path / "x.safetensors", "rb") as handle:
+        header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+    assert metadata == {"format": "pt", **digests, HEADER_KEY: header_digest(header)}
 
 
 def test_a_lazy_tensor_of_the_wrong_size_is_refused(tmp_path: Path) -> None:
