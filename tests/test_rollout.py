@@ -454,3 +454,19 @@ def test_rollout_check_scores_a_layer_at_a_time_with_the_eager_logits(tmp_path: 
     input_ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(0))
     eager = hf_logits(str(hf), input_ids, torch.float32)
     assert torch.equal(hf_logits(str(hf), input_ids, torch.float32, layer_by_layer=True), eager)
+    # --device cuda: the held modules there, where accelerate then runs each offloaded layer
+    on_gpu = _layer_by_layer(getattr(transformers, config.architectures[0]), config, "cuda")
+    assert on_gpu == {name: "cuda" if where == "cpu" else where for name, where in placement.items()}
+
+
+def test_rollout_check_refuses_cuda_where_torch_sees_none(hf_vl: Path, capsys) -> None:
+    """``--device cuda`` on a machine without one: one line, exit 2, before any server is asked."""
+    from vime_gemma4_bridge.cli.main import main
+
+    assert not torch.cuda.is_available()
+    argv = ["rollout-check", "--hf-checkpoint", str(hf_vl), "--server", "http://127.0.0.1:9", "--device", "cuda"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "vime-gemma4 rollout-check: error: --device cuda: torch sees no CUDA device here; "
+        "leave --device out to score on the CPU"
+    ]

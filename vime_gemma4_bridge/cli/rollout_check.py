@@ -14,7 +14,9 @@ OpenAI-compatible server (/v1/completions) or SGLang server (/generate; found by
 greedy with logprobs, scores the very same tokens with
 transformers from the HF checkpoint, and says in one line whether the engine serves the
 checkpoint's weights: the largest |logprob difference| and the first prompt and token where the
-two disagree. Default tolerance by the checkpoint's dtype: 1e-4 for float32, 0.2 for bf16/fp16.
+two disagree. transformers holds a decoder layer at a time (its peak RSS is about the embedding
+plus two layers: a 26B-A4B checkpoint is scored in a login node's memory); --device cuda runs it
+on the GPU. Default tolerance by the checkpoint's dtype: 1e-4 for float32, 0.2 for bf16/fp16.
 Exit status: 0 iff every served token is within tolerance and transformers' greedy choice; 1 if
 not; 2 when the server cannot be asked (down, wrong --model, another vocabulary) or HF is unreadable.
 Example: vime-gemma4 rollout-check --hf-checkpoint /ckpt/gemma-4-26B-A4B --server http://127.0.0.1:8000"""
@@ -39,6 +41,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--tolerance", type=float, default=None, metavar="X", help="max |logprob difference| (default: by dtype)"
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where transformers scores, a decoder layer in memory at a time (default: cpu)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=run)
 
@@ -50,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("prompts", "prompt_len", "max_tokens"):
         if getattr(args, flag) < 1:
             return errors.refuse(PROG, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.device == "cuda" and not _cuda_available():
+        no_cuda = "--device cuda: torch sees no CUDA device here; leave --device out to score on the CPU"
+        return errors.refuse(PROG, no_cuda)
     try:
         check = rollout_check(
             args.hf_checkpoint,
@@ -59,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
             prompt_len=args.prompt_len,
             max_tokens=args.max_tokens,
             tolerance=args.tolerance,
+            device=args.device,
         )
     except (ValueError, OSError, KeyError) as error:
         return errors.refuse(PROG, error)
@@ -66,3 +78,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**vars(check), "ok": check.ok}, indent=2))
     print(check.summary_line())
     return 0 if check.ok else 1
+
+
+def _cuda_available() -> bool:
+    """Whether torch sees a CUDA device (imported here: ``--help`` stays fast)."""
+    import torch
+
+    return torch.cuda.is_available()

@@ -228,7 +228,12 @@ def megatron_logits_on_rank0(model: list[torch.nn.Module], input_ids: torch.Tens
 
 
 def hf_logits(
-    hf_checkpoint: str, input_ids: torch.Tensor, dtype: torch.dtype, *, layer_by_layer: bool = False
+    hf_checkpoint: str,
+    input_ids: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    layer_by_layer: bool = False,
+    device: str = "cpu",
 ) -> torch.Tensor:
     """transformers' logits for ``input_ids``: the checkpoint's own class, eager attention, ``dtype``.
 
@@ -237,6 +242,8 @@ def hf_logits(
     is copied), the vision / audio towers never; the rest of the language model (embedding, final norm)
     is held. ``rollout-check`` scores a 26B-A4B checkpoint this way in a login node's memory, where the
     eager load holds the whole VL checkpoint (~52 GB). The logits are the same (tests/test_rollout.py).
+    ``device``: where the held modules live and every layer runs (``"cuda"``: each offloaded layer is
+    moved there for its forward); the logits come back on the CPU.
     """
     import tempfile
 
@@ -250,15 +257,18 @@ def hf_logits(
         placement = {}
         if layer_by_layer:
             offload = stack.enter_context(tempfile.TemporaryDirectory(prefix="vime-gemma4-offload-"))
-            placement = {"device_map": _layer_by_layer(model_cls, config), "offload_folder": offload}
+            placement = {"device_map": _layer_by_layer(model_cls, config, device), "offload_folder": offload}
+        elif device != "cpu":
+            placement = {"device_map": device}
         model = model_cls.from_pretrained(hf_checkpoint, dtype=dtype, attn_implementation="eager", **placement)
         with torch.no_grad():
-            return model.eval()(input_ids=input_ids, use_cache=False).logits
+            return model.eval()(input_ids=input_ids.to(device), use_cache=False).logits.cpu()
 
 
-def _layer_by_layer(model_cls: type, config: Any) -> dict[str, str]:
+def _layer_by_layer(model_cls: type, config: Any, device: str = "cpu") -> dict[str, str]:
     """accelerate's device map: each decoder layer and every module outside the language model on ``disk``
-    (read when it runs), the rest of the language model and the root's own modules (``lm_head``) on the CPU."""
+    (read when it runs), the rest of the language model and the root's own modules (``lm_head``) on
+    ``device`` (accelerate runs the offloaded layers on the first device that is not ``cpu`` or ``disk``)."""
     import torch
 
     from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX
@@ -277,7 +287,7 @@ def _layer_by_layer(model_cls: type, config: Any) -> dict[str, str]:
             elif layers.startswith(full + "."):
                 place(child, full)
             else:
-                device_map[full] = "cpu" if full.startswith(language_model + ".") or not path else "disk"
+                device_map[full] = device if full.startswith(language_model + ".") or not path else "disk"
 
     place(model, "")
     return device_map

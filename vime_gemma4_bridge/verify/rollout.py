@@ -168,8 +168,10 @@ def rollout_check(
     prompt_len: int = 8,
     max_tokens: int = 12,
     tolerance: float | None = None,
+    device: str = "cpu",
 ) -> RolloutCheck:
-    """Greedy continuations of fixed prompts from ``server``, scored by transformers with ``hf_checkpoint``."""
+    """Greedy continuations of fixed prompts from ``server``, scored by transformers with ``hf_checkpoint``
+    on ``device``."""
     import torch
 
     from vime_gemma4_bridge.core.hf_layout import declared_dtype
@@ -196,7 +198,7 @@ def rollout_check(
     continued = [[token for token, _ in tokens] + [0] * (longest - len(tokens)) for tokens in served]
     sequences = torch.cat([ids, torch.tensor(continued, dtype=ids.dtype)], dim=1)
     # one forward, every prompt; a layer's weights in memory at a time (the checkpoint may not fit in a node's)
-    logits = hf_logits(hf_checkpoint, sequences, getattr(torch, dtype), layer_by_layer=True).float()
+    logits = hf_logits(hf_checkpoint, sequences, getattr(torch, dtype), layer_by_layer=True, device=device).float()
     logprobs = torch.log_softmax(logits[:, prompt_len - 1 : -1, :vocab_size], dim=-1)
     for index, tokens in enumerate(served):
         for step, (token, served_logprob) in enumerate(tokens):
