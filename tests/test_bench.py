@@ -79,7 +79,8 @@ def test_bench_runs_and_prints_the_headline_last(local_world, tmp_path: Path, ca
 
 def test_real_width_measures_every_rank_against_its_shard(local_world, tmp_path: Path) -> None:
     """``--real-width``'s machinery on a small MoE: build + load, then a bitwise round trip, at TP2·EP2 on 2
-    ranks; every rank reports its shard and peak, and both figures reach the last line."""
+    ranks; every rank reports its shard and peak; rollout-check's scoring then, in one process; the three
+    figures reach the last line."""
     from vime_gemma4_bridge.convert.topology import Topology
 
     spec = synthetic.spec_for_size(3_000_000)
@@ -96,9 +97,14 @@ def test_real_width_measures_every_rank_against_its_shard(local_world, tmp_path:
     assert wide.rank_peak_over_shard == max(r["load_peak"] / r["shard_bytes"] for r in wide.ranks) > 1
     lines = bench_report.real_width_lines(wide)
     assert lines[1].startswith("target every rank's peak RSS <= 1.5x its shard (build + load): ")
+    # rollout-check's scoring, a layer at a time in a process of its own: its peak and the bound's parts
+    assert wide.scoring["peak"] >= wide.scoring["start_rss"] > 0 and wide.scoring["embedding"] > 0
+    assert 0 < wide.scoring["two_layers"] < wide.size_bytes and wide.rollout_check_bound > wide.scoring["embedding"]
+    assert lines[3].startswith("target rollout-check's scoring peak RSS <= the embedding + two decoder layers + 1 GB")
     assert bench_report.real_width_fields(wide) == (
         f"rank_peak_over_shard={wide.rank_peak_over_shard:.3f} "
-        f"roundtrip_rank0_extra_mb={wide.roundtrip_rank0_extra / 1e6:.1f}"
+        f"roundtrip_rank0_extra_mb={wide.roundtrip_rank0_extra / 1e6:.1f} "
+        f"rollout_check_peak_mb={wide.rollout_check_peak / 1e6:.1f}"
     )
     assert not list((tmp_path / "work").iterdir())
 

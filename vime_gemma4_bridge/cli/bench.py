@@ -52,7 +52,13 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from vime_gemma4_bridge.cli.bench_jobs import live_job, measured_job, reference_job, shard_memory_job
+from vime_gemma4_bridge.cli.bench_jobs import (
+    live_job,
+    measured_job,
+    reference_job,
+    rollout_scoring_job,
+    shard_memory_job,
+)
 from vime_gemma4_bridge.cli.bench_report import BenchResult, RealWidth, Step, format_report
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.runtime.world import LocalWorld
@@ -245,7 +251,8 @@ def measure_real_width(
     """Memory at the shard at published widths (``spec``, default :data:`REAL_WIDTH_PRESET` cut to
     :data:`REAL_WIDTH_LAYERS` layers), ``at`` (world size, topology): every rank's peak RSS over its shard
     bytes while the model is built and loaded, then rank 0's peak over its shard during a round trip,
-    which must be bitwise. ``world_for(n)`` supplies the world (not closed here)."""
+    which must be bitwise; then ``rollout-check``'s scoring there, in one process, layer by layer
+    (``bench_jobs.rollout_scoring_job``). ``world_for(n)`` supplies the worlds (not closed here)."""
     spec = spec or preset(REAL_WIDTH_PRESET, REAL_WIDTH_LAYERS)
     path, nbytes = write_synthetic_checkpoint(workdir / "hf-real-width", spec)
     log(f"bench: real width: {nbytes / 1e9:.3f} GB, hidden {spec.hidden_size}, {spec.layers} layers")
@@ -256,9 +263,13 @@ def measure_real_width(
     log(f"bench: real width: load and round trip at {topology} on {nproc} ranks done")
     if not ranks[0]["identical"]:
         raise RuntimeError(f"the round trip of {path} at {topology} was not bitwise identical")
+    with contextlib.ExitStack() as stack:  # rollout-check's scoring, in a process of its own
+        world = world_for(1) if world_for else stack.enter_context(LocalWorld(1))
+        scoring = world.run(rollout_scoring_job, str(path), quiet)[0]
+    log("bench: real width: rollout-check's scoring done")
     largest = largest_tensor_bytes(path)[1]
     _cleanup(path, keep)
-    return RealWidth(nbytes, largest, str(topology), ranks)
+    return RealWidth(nbytes, largest, str(topology), ranks, scoring)
 
 
 def _best_of(measure: Callable[[], list[dict]], *, outputs: Sequence[Path]) -> list[dict]:
@@ -347,7 +358,7 @@ the ranks (start-up and imports excluded) with its peak RSS. Prints a table, the
 (nproc 1, the first size): export_vs_reference=.. import_vs_reference=.. live_vs_copy=..
 live_peak_extra_mb=.. layer_experts_mb=.. import_peak_extra_mb=.. export_peak_extra_mb=..
 live_per_expert_peak_extra_mb=.. live_fp8_gb_per_s=.. checksum_overhead=.. rank_peak_over_shard=..
-roundtrip_rank0_extra_mb=.. (the last two nan unless --real-width).
+roundtrip_rank0_extra_mb=.. rollout_check_peak_mb=.. (the last three nan unless --real-width).
 With --scaling, also twice the first size: time and peak-memory doubling ratios. With --dense e4b,
 an E4B-shaped dense checkpoint instead (PLE table the largest tensor; TP = min(nproc, 2)): the
 memory yardstick is that tensor (largest_tensor_mb= in place of layer_experts_mb=). Targets are

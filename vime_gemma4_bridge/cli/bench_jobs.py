@@ -288,3 +288,43 @@ def shard_memory_job(hf_checkpoint: str, topology: Topology, roundtrip: bool, qu
                 comparison = compare_on_rank0(source, convert.export_language_model(bridge, model, tasks), topology)
             result |= {"roundtrip_peak": check.peak, "identical": comparison is None or comparison.identical}
     return result
+
+
+#: rollout-check's default prompts: 4 of 8 tokens, 12 tokens served each (``verify/rollout.rollout_check``).
+ROLLOUT_CHECK_SHAPE = (4, 8 + 12)
+
+
+def rollout_scoring_job(hf_checkpoint: str, quiet: bool = True) -> dict[str, Any]:
+    """``rollout-check``'s transformers side (one forward over its default prompts plus served tokens, a
+    decoder layer in memory at a time) on ``hf_checkpoint``, in bf16: this process's peak RSS over it, and
+    the parts of the bound (the embedding, the two largest decoder layers, in checkpoint bytes)."""
+    import math
+    import re
+
+    import torch
+
+    from vime_gemma4_bridge.io.hf import TORCH_DTYPES, HFCheckpoint
+    from vime_gemma4_bridge.verify.parity import excluded_token_ids, fixed_token_ids, hf_logits
+
+    source = HFCheckpoint(hf_checkpoint)
+    sizes = {
+        name: math.prod(shape) * TORCH_DTYPES[dtype].itemsize
+        for name, (shape, dtype) in source.signatures(source.language_model_names()).items()
+    }
+    layers: dict[int, int] = {}
+    for name, nbytes in sizes.items():
+        if match := re.search(r"\.layers\.(\d+)\.", name):
+            layers[int(match[1])] = layers.get(int(match[1]), 0) + nbytes
+    embedding = sum(nbytes for name, nbytes in sizes.items() if name.endswith("embed_tokens.weight"))
+    text = source.config.get("text_config", source.config)
+    ids = fixed_token_ids(text["vocab_size"], *ROLLOUT_CHECK_SHAPE, excluded_token_ids(source.config))
+    with silenced(quiet):
+        _release_memory()
+        with PeakRSS() as scoring:
+            hf_logits(hf_checkpoint, ids, torch.bfloat16, layer_by_layer=True)
+    return {
+        "start_rss": scoring.baseline,
+        "peak": scoring.peak,
+        "embedding": embedding,
+        "two_layers": sum(sorted(layers.values())[-2:]),
+    }

@@ -32,6 +32,8 @@ STEPS = ("reference", "import", "export", "live", "copy")
 TARGET_RANK_PEAK_OVER_SHARD = 1.5
 #: Rank 0's peak over its shard during a round trip, in largest tensors (no whole-model copies).
 TARGET_ROUNDTRIP_RANK0_EXTRA_TENSORS = 2
+#: rollout-check's scoring: peak RSS within the embedding + two decoder layers + this (a login node's memory).
+TARGET_ROLLOUT_CHECK_SLACK = 1 << 30
 
 
 @dataclass
@@ -68,6 +70,18 @@ class RealWidth:
     largest_tensor: int
     topology: str
     ranks: list[dict]
+    #: ``bench_jobs.rollout_scoring_job`` on the same checkpoint, in a process of its own.
+    scoring: dict
+
+    @property
+    def rollout_check_peak(self) -> int:
+        """rollout-check's scoring process: its peak RSS (bytes)."""
+        return self.scoring["peak"]
+
+    @property
+    def rollout_check_bound(self) -> int:
+        """The embedding + the two largest decoder layers + :data:`TARGET_ROLLOUT_CHECK_SLACK` (bytes)."""
+        return self.scoring["embedding"] + self.scoring["two_layers"] + TARGET_ROLLOUT_CHECK_SLACK
 
     @property
     def rank_peak_over_shard(self) -> float:
@@ -308,14 +322,24 @@ def real_width_lines(wide: RealWidth) -> list[str]:
             wide.roundtrip_rank0_extra <= TARGET_ROUNDTRIP_RANK0_EXTRA_TENSORS * wide.largest_tensor,
             f"{wide.roundtrip_rank0_extra / 1e6:.1f} MB vs {wide.largest_tensor / 1e6:.1f} MB",
         ),
+        _target(
+            "rollout-check's scoring peak RSS <= the embedding + two decoder layers + 1 GB",
+            wide.rollout_check_peak <= wide.rollout_check_bound,
+            f"{wide.rollout_check_peak / 1e6:.1f} MB vs {wide.rollout_check_bound / 1e6:.1f} MB "
+            f"(RSS before: {wide.scoring['start_rss'] / 1e6:.1f} MB)",
+        ),
     ]
 
 
 def real_width_fields(wide: RealWidth | None) -> str:
-    """The last line's two ``--real-width`` fields (``nan`` without it)."""
+    """The last line's ``--real-width`` fields (``nan`` without it)."""
     over_shard = wide.rank_peak_over_shard if wide else math.nan
     rank0_extra = wide.roundtrip_rank0_extra / 1e6 if wide else math.nan
-    return f"rank_peak_over_shard={_fmt(over_shard, 3)} roundtrip_rank0_extra_mb={_fmt(rank0_extra, 1)}"
+    scoring = wide.rollout_check_peak / 1e6 if wide else math.nan
+    return (
+        f"rank_peak_over_shard={_fmt(over_shard, 3)} roundtrip_rank0_extra_mb={_fmt(rank0_extra, 1)} "
+        f"rollout_check_peak_mb={_fmt(scoring, 1)}"
+    )
 
 
 def _target(what: str, met: bool, figure: str) -> str:
