@@ -25,7 +25,8 @@ LAST_LINE = re.compile(
     r"layer_experts_mb=(?P<experts>[0-9.]+) import_peak_extra_mb=(?P<import_peak>[0-9.]+) "
     r"export_peak_extra_mb=(?P<export_peak>[0-9.]+) live_per_expert_peak_extra_mb=(?P<per_expert>[0-9.]+) "
     r"live_fp8_gb_per_s=(?P<fp8_gb_per_s>[0-9.]+) checksum_overhead=(?P<checksum_overhead>[0-9.]+) "
-    r"rank_peak_over_shard=(?P<over_shard>nan|[0-9.]+) roundtrip_rank0_extra_mb=(?P<rank0_extra>nan|-?[0-9.]+)$"
+    r"rank_peak_over_shard=(?P<over_shard>nan|[0-9.]+) roundtrip_rank0_extra_mb=(?P<rank0_extra>nan|-?[0-9.]+) "
+    r"rollout_check_peak_mb=(?P<rollout_check>nan|[0-9.]+)$"
 )
 
 STEPS = ["reference", "live", "live-per-expert", "live-fp8", "copy", "import", "export"]
@@ -67,7 +68,8 @@ def test_bench_runs_and_prints_the_headline_last(local_world, tmp_path: Path, ca
     match = LAST_LINE.match(lines[-1])
     assert match, lines[-1]
     figures = {name: float(value) for name, value in match.groupdict().items()}
-    assert math.isnan(figures.pop("over_shard")) and math.isnan(figures.pop("rank0_extra")), "not without --real-width"
+    real_width = [figures.pop(name) for name in ("over_shard", "rank0_extra", "rollout_check")]
+    assert all(math.isnan(value) for value in real_width), "not without --real-width"
     assert all(value > 0 and math.isfinite(value) for value in figures.values()), figures
     assert figures["experts"] == pytest.approx(result.layer_experts / 1e6, abs=0.05)
     for step in ("import", "export"):  # digests recorded (import) and checked, written with the shards (export)
