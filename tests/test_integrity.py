@@ -88,6 +88,16 @@ def test_flipped_distcp_byte_is_named_by_export_and_verify_checkpoint(
     _named(line, *needles)
     assert not output.exists() and not list(tmp_path.glob(".out*")), "nothing may be written"
 
+    # The check runs beside the write and is settled before the rename: an output --force would replace stays.
+    shutil.copytree(imported["exported"], output)
+    before = sorted((p.name, p.read_bytes()) for p in output.iterdir())
+    argv = ("export", "--load", damaged, "--hf-checkpoint", imported["hf"], "--output", output, "--force")
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 1 and out == ""
+    _named(err.strip().splitlines()[-1], *needles)
+    assert sorted((p.name, p.read_bytes()) for p in output.iterdir()) == before
+    assert not list(tmp_path.glob(".out*"))
+
     from vime_gemma4_bridge.cli.errors import one_line
 
     job = export_job, str(damaged), str(imported["hf"]), str(tmp_path / "ep2"), Topology(ep=2), False, 1 << 30
@@ -130,6 +140,63 @@ def test_intact_checkpoints_verify_and_the_format_needs_only_hashlib(imported, c
         encoded = json.dumps({**header, "__metadata__": metadata}, separators=(",", ":")).encode()
         assert xxhash.xxh3_128_hexdigest(encoded + b" " * (-len(encoded) % 8)) == metadata_of(header)["__header__"]
     assert tensors > 100
+
+
+def test_streamed_import_reads_back_only_what_megatron_core_wrote(tmp_path: Path, monkeypatch) -> None:
+    """The streaming import hashes the items it writes as it writes them: the record reads back only
+    megatron-core's files and the other whole files; every digest is still the bytes' (the test above
+    re-hashes the same kind of record from the files)."""
+    from vime_gemma4_bridge.cli import main as cli
+    from vime_gemma4_bridge.convert import integrity
+
+    read_back: list = []
+    original = integrity._shared_digests
+
+    def counted(spans: list) -> list[str]:
+        read_back.extend(spans)
+        return original(spans)
+
+    monkeypatch.setattr(integrity, "_shared_digests", counted)
+    hf = write_tiny_checkpoint(tmp_path / "hf", TinySpec())
+    save = tmp_path / "save"
+    assert cli.main(["import", "--hf-checkpoint", str(hf), "--save", str(save), "--json"]) == 0
+    iteration = save / ITERATION_DIR
+    record = json.loads((iteration / DIGESTS_NAME).read_text())
+    streamed = [item for item in record["items"] if item["file"].startswith("__0_streamed_")]
+    assert len(streamed) > 100 and len(read_back) < len(record["items"]) - len(streamed) + len(record["files"]) + 1
+    assert not [span for span in read_back if span.file.name.startswith("__0_streamed_")]
+    for item in streamed:
+        with open(iteration / item["file"], "rb") as handle:
+            handle.seek(item["offset"])
+            assert xxhash.xxh3_128_hexdigest(handle.read(item["length"])) == item["digest"], item
+
+
+@pytest.mark.fast
+def test_write_hashed_hashes_each_slice_right_after_writing_it() -> None:
+    """``write_hashed`` writes 256 KB at a time and hashes each slice at once, while it is in the cache: the
+    written bytes are the data, the digest is the data's, and no slice is hashed before or long after its write."""
+    import xxhash as xx
+
+    from vime_gemma4_bridge.io import digests
+
+    events: list[tuple[str, int]] = []
+    written = bytearray()
+
+    class Recording(digests.Hasher):
+        def update(self, data: object) -> None:
+            events.append(("hash", memoryview(data).nbytes))
+            super().update(data)
+
+    def write(piece: memoryview) -> None:
+        events.append(("write", piece.nbytes))
+        written.extend(piece)
+
+    data = bytes(range(256)) * (4096 + 3)  # 1 MB and 768 bytes: four whole slices and a short one
+    hasher = Recording()
+    digests.write_hashed(write, data, hasher)
+    assert bytes(written) == data and hasher.hexdigest() == xx.xxh3_128_hexdigest(data)
+    sizes = [256 << 10] * 4 + [768]
+    assert events == [event for size in sizes for event in (("write", size), ("hash", size))], events
 
 
 def metadata_of(header: dict) -> dict[str, str]:
@@ -241,10 +308,10 @@ def _verify_with_rank_1_unable_to_read(hf_checkpoint: str) -> str:
 
     original = integrity.check_spans
 
-    def check_spans(expected: list) -> str | None:
+    def check_spans(expected: list, **kwargs: object) -> str | None:
         if dist.get_rank() == 1:
             raise PermissionError(13, "Permission denied", "model.safetensors")
-        return original(expected)
+        return original(expected, **kwargs)
 
     with mock.patch.object(integrity, "check_spans", check_spans):
         try:

@@ -56,6 +56,10 @@ class ImportPath:
         """Parameters whose torch_dist items this path writes itself (megatron-core saves the rest)."""
         return ()
 
+    def digests(self) -> dict[tuple[str, int, int], str]:
+        """Digests of the items this path wrote, by (file, offset, length), hashed as they were written."""
+        return {}
+
 
 class _StreamedImportPath(ImportPath):
     """Every weight from the HF shards straight into torch_dist items, written by rank 0 alone."""
@@ -67,6 +71,7 @@ class _StreamedImportPath(ImportPath):
         super().__init__(bridge, model)
         self.plan = plan
         self._stream: Any = None
+        self._written: list[Any] = []
 
     @contextlib.contextmanager
     def writing(self, iteration_dir: Path) -> Iterator[None]:
@@ -79,6 +84,7 @@ class _StreamedImportPath(ImportPath):
                 yield
             finally:
                 self._stream = None
+        self._written = stream.written
 
     def load(self) -> None:
         if self._stream is not None:
@@ -86,6 +92,9 @@ class _StreamedImportPath(ImportPath):
 
     def leave_out(self) -> Collection[str]:
         return self.plan.streamed_params()
+
+    def digests(self) -> dict[tuple[str, int, int], str]:
+        return {(item.file, item.offset, item.length): item.digest for item in self._written}
 
 
 def import_path(bridge: Any, model: list[nn.Module], source: HFCheckpoint, topology: Topology) -> ImportPath:

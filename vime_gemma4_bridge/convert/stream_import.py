@@ -54,6 +54,7 @@ from vime_gemma4_bridge.convert.streaming import (
     stored_shape,
 )
 from vime_gemma4_bridge.core.bitwise import same_bytes
+from vime_gemma4_bridge.io.digests import HashingWriter
 from vime_gemma4_bridge.io.hf import HFCheckpoint, TensorLocation, release_pages
 from vime_gemma4_bridge.io.safe_pickle import read_checkpoint_metadata
 from vime_gemma4_bridge.io.torch_dist import write_failure
@@ -100,7 +101,8 @@ class ImportPlan:
                 except BaseException:
                     stop.set()
                     raise
-                written = [*stream.written, *(item for future in futures for item in future.result())]
+                stream.written += [item for future in futures for item in future.result()]
+                written = stream.written
             for i in range(len(parts) + 1):
                 os.replace(directory.parent / f".{_FILE_PREFIX}{i}.distcp", directory / f"{_FILE_PREFIX}{i}.distcp")
             metadata = read_checkpoint_metadata(directory)
@@ -131,11 +133,12 @@ class ImportPlan:
         process once written: no copy in memory, one chunk resident.
         """
         written: list[_Written] = []
-        with open(path, "wb") as out:
+        with open(path, "wb") as handle:
+            out = HashingWriter(handle)
             for name in names:
                 location = self.locations[name]
-                with open(location.file, "rb") as handle:
-                    mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+                with open(location.file, "rb") as shard:
+                    mapping = mmap.mmap(shard.fileno(), 0, access=mmap.ACCESS_COPY)
                 position = location.offset
                 for expert in self.experts.groups[name]:
                     if stop.is_set():
@@ -143,9 +146,9 @@ class ImportPlan:
                     for piece in expert.pieces:
                         count = piece.data.numel()
                         chunk = torch.frombuffer(mapping, dtype=piece.dtype, count=count, offset=position)
-                        start = out.tell()
-                        torch.save(chunk.view(stored_shape(piece)), out)  # what PyTorch's writer stores per item
-                        written.append(_Written(piece, path.name.lstrip("."), start, out.tell() - start))
+                        with out.item() as item:
+                            torch.save(chunk.view(stored_shape(piece)), out)  # what PyTorch's writer stores per item
+                        written.append(_Written.of(piece, path, item))
                         del chunk
                         release_pages(mapping, position, count * piece.dtype.itemsize)
                         position += count * piece.dtype.itemsize
@@ -154,12 +157,18 @@ class ImportPlan:
 
 @dataclass(frozen=True)
 class _Written:
-    """One expert chunk as written: its ShardedTensor, file (relative to the checkpoint) and byte range."""
+    """One item as written: its ShardedTensor, file (relative to the checkpoint), byte range and digest."""
 
     piece: Any
     file: str
     offset: int
     length: int
+    digest: str
+
+    @classmethod
+    def of(cls, piece: Any, path: Path, item: Mapping[str, Any]) -> _Written:
+        """The item :meth:`~vime_gemma4_bridge.io.digests.HashingWriter.item` recorded, in staged file ``path``."""
+        return cls(piece, path.name.lstrip("."), item["offset"], item["length"], item["digest"])
 
 
 class _Stream:
@@ -181,7 +190,8 @@ class _Stream:
         plan = self.plan
         state = _MappedState(hf_state, plan.locations)
         firsts = {id(group[0].task): name for name, group in plan.experts.groups.items()}
-        with open(self.path, "wb") as out, torch.no_grad():
+        with open(self.path, "wb") as handle, torch.no_grad():
+            out = HashingWriter(handle)
             for task in plan.converted_tasks:
                 weights = model_bridge.maybe_modify_loaded_hf_weight(task.mapping.hf_param, state)
                 converted = task.mapping.hf_to_megatron(weights, task.megatron_module)
@@ -210,9 +220,9 @@ class _Stream:
                         chunk = chunk.clone()  # torch.save stores a view's whole storage: give it one of its own
                     chunk = chunk.view(stored_shape(piece))
                     start += count
-                    offset = out.tell()
-                    torch.save(chunk, out)
-                    self.written.append(_Written(piece, self.path.name.lstrip("."), offset, out.tell() - offset))
+                    with out.item() as item:
+                        torch.save(chunk, out)
+                    self.written.append(_Written.of(piece, self.path, item))
 
 
 #: Failures of a write itself (not of reading the sources): reported as the torch_dist write's.

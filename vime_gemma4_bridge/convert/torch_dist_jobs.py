@@ -106,8 +106,9 @@ def import_job(
         if rank0:
             work.mkdir(parents=True)  # from the start: a killed run leaves this hidden directory, never DIR
         with contextlib.redirect_stdout(sys.stderr):
-            with phases("verify", f"checking the digests {hf_checkpoint} records"):
-                integrity.verify_sources(hf_checkpoint)
+            hashed_before = hashing_seconds()
+            with phases("verify", f"checking the digests {hf_checkpoint} records, beside the load"):
+                checking = integrity.check_beside(hf_checkpoint)
             with phases("build", f"building the Megatron model at {topology}"):
                 bridge = convert.open_bridge(hf_checkpoint)
                 # Every weight is loaded next, so random init (~3 s/GB) would be wasted; the saved run
@@ -140,7 +141,8 @@ def import_job(
                 (work / ITERATION_DIR / SIDECAR_NAME).write_text(json.dumps(sidecar, indent=1) + "\n")
             dist.barrier()
             with phases("digests", "recording the digest of every stored item"):
-                integrity.record_torch_dist_digests(work / ITERATION_DIR, writer=rank0)
+                integrity.record_torch_dist_digests(work / ITERATION_DIR, writer=rank0, known=path.digests())
+            checking.settle()  # the source's digests, checked while it converted: damaged, nothing is committed
             if rank0:
                 (work / TRACKER_NAME).write_text(f"{ITERATION}\n")  # last: marks the checkpoint complete
                 files, nbytes = _directory_stats(work)
@@ -161,7 +163,7 @@ def import_job(
                     "seconds": round(time.perf_counter() - start, 3),
                     "gb_per_s": _rate(tensor_bytes, moved),
                     "phases": phases.seconds,
-                    "checksum_seconds": round(phases.seconds["verify"] + phases.seconds["digests"], 3),
+                    "checksum_seconds": round(phases.seconds["verify"] + hashing_seconds() - hashed_before, 3),
                     "checkpoint": {"iteration_dir": str(out / ITERATION_DIR), "files": files, "bytes": nbytes},
                 }
             result = convert.broadcast_from_rank0(result)
@@ -211,8 +213,9 @@ def export_job(
     iteration_dir = TorchDistCheckpoint(load).iteration_dir
     rank0 = convert.is_rank0()
     with contextlib.redirect_stdout(sys.stderr), contextlib.ExitStack() as stack:
-        with phases("verify", "checking the recorded digests of the checkpoints read"):
-            integrity.verify_sources(hf_checkpoint, iteration_dir, language_model=False)
+        hashed_before = hashing_seconds()
+        with phases("verify", "checking the recorded digests of the checkpoints read, beside the export"):
+            checking = integrity.check_beside(hf_checkpoint, iteration_dir, language_model=False)
         with phases("build", f"building the Megatron model at {topology}"):
             bridge = convert.open_bridge(hf_checkpoint)
             # Every weight is read next (or streamed past the model): random init would be wasted.
@@ -228,7 +231,6 @@ def export_job(
         result: dict[str, Any] | None = None
         if rank0:
             _check_exported(exported, signature)
-            hashed_before = hashing_seconds()  # the shards' digests, computed as they are written
             towers = _carried_towers(load, iteration_dir, source)
             with phases("write", f"writing {output}{' in block FP8' if quantize else ''}"):
                 written = hf_io.write_hf_checkpoint(
@@ -239,6 +241,7 @@ def export_job(
                     force=force,
                     show_progress=True,
                     carried=towers,
+                    before_commit=checking.settle,  # its sources' digests, checked while it wrote
                     **_quantized_layout(source, quantize),
                 )
             tensor_bytes = sum(hf_io.tensor_nbytes(t) for t in exported.values())
@@ -272,6 +275,8 @@ def export_job(
                     "tensors": len(hf_io.HFCheckpoint(written).names()),
                 },
             }
+        else:
+            checking.settle()  # at the same point as rank 0's, before its commit
         return convert.broadcast_from_rank0(result)
 
 

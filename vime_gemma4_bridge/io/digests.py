@@ -7,10 +7,16 @@ weights without a word. So every file set written here records a digest per stor
 command that reads one checks them first and names the damaged file, tensor and shard.
 
 Why XXH3-128 and not sha256: the digests guard against damage, not tampering (a checkpoint already
-runs no code: :mod:`~vime_gemma4_bridge.io.safe_pickle`), and recording and checking cost a pass over
-the bytes each. sha256 hashes ~1.8 GB/s on a core here, XXH3 ~22 GB/s: with sha256 the digests took
-55% of an import plus export (``bench --quick``), with XXH3 16-20% (docs/PERFORMANCE.md). ``xxhash`` is
+runs no code: :mod:`~vime_gemma4_bridge.io.safe_pickle`), and every byte converted is hashed twice
+(its source checked, its output recorded). sha256 hashes ~1.8 GB/s on a core here, XXH3 ~9 GB/s
+(``xxhash``'s wheel; ~20 GB/s where it is built for the CPU's vector units). ``xxhash`` is
 Megatron-Bridge's own (through ``datasets``); ``xxh128sum`` checks a whole file.
+
+Where the bytes are: a write hashes what it writes as it writes it, a slice at a time from the cache
+(:func:`write_hashed`, :class:`HashingWriter`: the HF shards, the streaming import's items), and a
+conversion checks its sources on a thread beside its own work (``convert/integrity.check_beside``).
+Only what megatron-core's writer wrote is read back to be recorded (its pages are still cached), and
+``verify-checkpoint`` reads everything.
 
 Both formats are checkable with the ``xxhash`` package alone (no part of this package), as
 docs/ARCHITECTURE.md ("Digests") shows:
@@ -61,16 +67,19 @@ __all__ = [
     "DamagedCheckpoint",
     "Entry",
     "Hasher",
+    "HashingWriter",
     "Span",
     "check_spans",
     "damaged",
     "digest_spans",
     "hashing_seconds",
     "header_digest",
+    "held_up",
     "hf_spans",
     "digest_span",
     "torch_dist_entries",
     "torch_dist_spans",
+    "write_hashed",
     "write_torch_dist_digests",
 ]
 
@@ -100,11 +109,13 @@ def damaged(kind: str, path: Path | str, found: str) -> DamagedCheckpoint:
 
 
 class _HashingClock:
-    """Wall seconds during which at least one thread was hashing.
+    """Wall seconds during which at least one of the conversion's threads was held up by hashing.
 
-    Threads hash at once (:func:`digest_spans`; ``xxhash`` releases the GIL), so the sum of their
-    seconds would overstate what hashing costs a conversion; and ``+=`` from several threads loses
-    updates. The clock runs while any thread hashes, under a lock.
+    A thread is held up while it hashes itself (:meth:`Hasher.update`, :func:`write_hashed`) or waits
+    for a check running beside it (its ``settle``, :func:`held_up`); hashing beside the conversion's own work is
+    not counted until something waits for it. Threads are held up at once (``xxhash`` releases the
+    GIL), so the sum of their seconds would overstate the cost; and ``+=`` from several threads loses
+    updates. The clock runs while any thread is held up, under a lock.
     """
 
     def __init__(self) -> None:
@@ -136,12 +147,19 @@ _clock = _HashingClock()
 
 
 def hashing_seconds() -> float:
-    """Wall seconds this process has spent computing digests (``bench``'s ``checksum_overhead``)."""
+    """Wall seconds digests have held this process's conversion up (``bench``'s ``checksum_overhead``)."""
     return _clock.seconds()
 
 
+@contextlib.contextmanager
+def held_up() -> Any:
+    """Count the body's wall seconds in :func:`hashing_seconds` (a wait for hashing done elsewhere)."""
+    with _clock.running():
+        yield
+
+
 class Hasher:
-    """The digest of bytes as they are written, its time counted in :func:`hashing_seconds`."""
+    """The digest of bytes as they are written; :meth:`update` counts in :func:`hashing_seconds`."""
 
     def __init__(self) -> None:
         self._hash = xxhash.xxh3_128()
@@ -150,8 +168,66 @@ class Hasher:
         with _clock.running():
             self._hash.update(data)
 
+    def update_beside(self, data: Any) -> None:
+        """:meth:`update` on a thread beside the conversion's own work: counted where something waits for it."""
+        self._hash.update(data)
+
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
+
+
+#: Bytes written, then hashed, at a time: the hash reads them from the CPU's cache, where the write left them.
+_SLICE = 256 << 10
+
+
+def write_hashed(write: Callable[[Any], Any], data: Any, hasher: Hasher) -> None:
+    """``write(data)`` a slice at a time, ``hasher`` taking each slice as soon as it is written.
+
+    Why: XXH3 hashes ~30 GB/s from the cache but ~9 GB/s from memory here, about what a write
+    copies; hashing a large buffer after writing it would read it from memory twice. A 256 KB slice
+    just written is still in the cache, so its hash costs a small fraction of its write, and no pass
+    reads the bytes back.
+    """
+    with memoryview(data) as view, view.cast("B") as flat:
+        for start in range(0, len(flat), _SLICE) or (0,):
+            piece = flat[start : start + _SLICE]
+            write(piece)
+            hasher.update(piece)
+
+
+class HashingWriter:
+    """A binary file that digests each item written to it, as it is written (``torch.save`` writes through it).
+
+    ``item()`` brackets one item: its offset, and its digest once the body has written it. The bytes
+    are hashed as they pass (:func:`write_hashed`), so recording an item's digest reads nothing back.
+    """
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self._hasher: Hasher | None = None
+
+    def write(self, data: Any) -> int:
+        write_hashed(self._handle.write, data, self._hasher)
+        with memoryview(data) as view:
+            return view.nbytes
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def tell(self) -> int:
+        return self._handle.tell()
+
+    @contextlib.contextmanager
+    def item(self) -> Any:
+        """Yield a dict that holds ``offset``, ``length`` and ``digest`` of what the body wrote, after it."""
+        record: dict[str, Any] = {"offset": self._handle.tell()}
+        self._hasher = Hasher()
+        try:
+            yield record
+            record["length"] = self._handle.tell() - record["offset"]
+            record["digest"] = self._hasher.hexdigest()
+        finally:
+            self._hasher = None
 
 
 @dataclass(frozen=True)
@@ -171,9 +247,13 @@ _WINDOW = 16 << 20
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def digest_span(span: Span) -> str:
-    """The digest of a span's bytes, hashed in place window by window (no copy; a short file differs)."""
+def digest_span(span: Span, *, beside: bool = False) -> str:
+    """The digest of a span's bytes, hashed in place window by window (no copy; a short file differs).
+
+    ``beside``: hashed beside the conversion (a check that runs while it loads), not counted here.
+    """
     hasher = Hasher()
+    update = hasher.update_beside if beside else hasher.update
     if not span.file.is_file():
         return "missing"
     with open(span.file, "rb") as handle:
@@ -186,26 +266,30 @@ def digest_span(span: Span) -> str:
             flags = mmap.MAP_SHARED | _POPULATE
             with mmap.mmap(handle.fileno(), stop - base, flags=flags, prot=mmap.PROT_READ, offset=base) as window:
                 with memoryview(window) as view, view[position - base : stop - base] as piece:
-                    hasher.update(piece)
+                    update(piece)
             position = stop
     if span.length is not None and end - span.offset != span.length:
         return "short"
     return hasher.hexdigest()
 
 
-def digest_spans(spans: Sequence[Span], *, advance: Callable[[], None] = lambda: None) -> list[str]:
+def digest_spans(
+    spans: Sequence[Span], *, advance: Callable[[], None] = lambda: None, beside: bool = False
+) -> list[str]:
     """:func:`digest_span` of each span, in order, hashed by a few threads at once."""
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         digests = []
-        for digest in pool.map(digest_span, spans):
+        for digest in pool.map(lambda span: digest_span(span, beside=beside), spans):
             digests.append(digest)
             advance()
     return digests
 
 
-def check_spans(expected: Sequence[tuple[Span, str]], *, advance: Callable[[], None] = lambda: None) -> str | None:
+def check_spans(
+    expected: Sequence[tuple[Span, str]], *, advance: Callable[[], None] = lambda: None, beside: bool = False
+) -> str | None:
     """The first span (in ``expected``'s order) whose bytes do not hash to its digest, described; None if all do."""
-    found = digest_spans([span for span, _ in expected], advance=advance)
+    found = digest_spans([span for span, _ in expected], advance=advance, beside=beside)
     bad = next(((span, digest) for (span, digest), got in zip(expected, found, strict=True) if got != digest), None)
     if bad is None:
         return None

@@ -40,6 +40,7 @@ from vime_gemma4_bridge.io.digests import (
     damaged,
     header_digest,
     hf_spans,
+    write_hashed,
 )
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -313,6 +314,7 @@ def write_hf_checkpoint(
     rewrite: Callable[[list[NamedTensor]], list[NamedTensor]] | None = None,
     config_fields: Mapping[str, Any] | None = None,
     carried: Mapping[str, torch.Tensor | LazyTensor] | None = None,
+    before_commit: Callable[[], None] = lambda: None,
 ) -> Path:
     """Write a complete HF checkpoint: ``language_tensors`` plus everything else copied from ``source``.
 
@@ -325,6 +327,8 @@ def write_hf_checkpoint(
     interrupted run leaves nothing that looks like a checkpoint; the source is only read.
     ``rewrite`` turns the complete, ordered list into another layout (FP8 export:
     ``convert/fp8.quantized_checkpoint``) and ``config_fields`` are set in its ``config.json``.
+    ``before_commit`` runs when every file is written, before the rename; what it raises leaves
+    nothing (an export settles the check of its sources' digests there, run while it wrote).
     """
     out = prepare_output(out, force=force)
     expected = set(source.language_model_names())
@@ -350,6 +354,7 @@ def write_hf_checkpoint(
                 ordered = rewrite(ordered)
             with progress(f"Writing {out.name}", len(ordered), show_progress) as advance:
                 write_shards(tmp, ordered, max_shard_size, advance=advance)
+            before_commit()
     except OSError as error:  # disk full, permission denied, read-only file system, ...
         raise write_failed(out, error) from None
     return out
@@ -470,7 +475,8 @@ def save_safetensors(
     piece of a :class:`LazyTensor` at a time, and writes eager tensors without a staging copy.
     The files read back with ``safetensors`` / transformers / vLLM like any other.
 
-    Each tensor's digest is computed from the bytes as they are written and recorded in the header
+    Each tensor's digest is computed from the bytes as they are written (on a thread beside the write,
+    :func:`~vime_gemma4_bridge.io.digests.write_hashed`) and recorded in the header
     metadata (:mod:`vime_gemma4_bridge.io.digests`): the header is written with placeholders of the
     same length first and rewritten in place at the end, so no byte is read or produced twice.
     """
@@ -519,6 +525,5 @@ def _write_bytes(handle, tensor: torch.Tensor, hasher: Hasher) -> int:
     if not flat.is_contiguous():
         flat = flat.contiguous()
     raw = flat.view(torch.uint8).numpy() if flat.dtype != torch.bool else flat.numpy()
-    handle.write(raw.data)
-    hasher.update(raw.data)
+    write_hashed(handle.write, raw.data, hasher)
     return raw.nbytes
