@@ -525,5 +525,4 @@ def _write_bytes(handle, tensor: torch.Tensor, hasher: Hasher) -> int:
     if not flat.is_contiguous():
         flat = flat.contiguous()
     raw = flat.view(torch.uint8).numpy() if flat.dtype != torch.bool else flat.numpy()
-    write_hashed(handle.write, raw.data, hasher)
-    return raw.nbytes
+    return write_hashed(handle.write, raw.data, hasher)
