@@ -449,7 +449,7 @@ def train_and_save_job(
 
     tick = time.perf_counter()
     with cpu_training():
-        trained = convert.collect_on_rank0(bridge, model)
+        trained = {name: tensor.clone() for name, tensor in convert.export_to_rank0(bridge, model)}
     seconds["export_reference"] = round(time.perf_counter() - tick, 3)
     moments = {**_adam_moment_norms(optimizer), "loss": loss}
     all_moments = [None] * dist.get_world_size()

@@ -26,7 +26,7 @@ LAST_LINE = re.compile(
     r"export_peak_extra_mb=(?P<export_peak>[0-9.]+) live_per_expert_peak_extra_mb=(?P<per_expert>[0-9.]+) "
     r"live_fp8_gb_per_s=(?P<fp8_gb_per_s>[0-9.]+) checksum_overhead=(?P<checksum_overhead>[0-9.]+) "
     r"rank_peak_over_shard=(?P<over_shard>nan|[0-9.]+) roundtrip_rank0_extra_mb=(?P<rank0_extra>nan|-?[0-9.]+) "
-    r"rollout_check_peak_mb=(?P<rollout_check>nan|[0-9.]+)$"
+    r"rollout_check_peak_mb=(?P<rollout_check>nan|[0-9.]+) live_vs_copy_8r=(?P<live_vs_copy_8r>nan|[0-9.]+)$"
 )
 
 STEPS = ["reference", "live", "live-per-expert", "live-fp8", "copy", "import", "export"]
@@ -68,7 +68,7 @@ def test_bench_runs_and_prints_the_headline_last(local_world, tmp_path: Path, ca
     match = LAST_LINE.match(lines[-1])
     assert match, lines[-1]
     figures = {name: float(value) for name, value in match.groupdict().items()}
-    real_width = [figures.pop(name) for name in ("over_shard", "rank0_extra", "rollout_check")]
+    real_width = [figures.pop(name) for name in ("over_shard", "rank0_extra", "rollout_check", "live_vs_copy_8r")]
     assert all(math.isnan(value) for value in real_width), "not without --real-width"
     assert all(value > 0 and math.isfinite(value) for value in figures.values()), figures
     assert figures["experts"] == pytest.approx(result.layer_experts / 1e6, abs=0.05)
@@ -96,17 +96,24 @@ def test_real_width_measures_every_rank_against_its_shard(local_world, tmp_path:
     assert len(wide.ranks) == 2 and wide.topology == str(Topology(tp=2, ep=2))
     for rank in wide.ranks:
         assert 0 < rank["shard_bytes"] < wide.size_bytes and rank["load_peak"] >= rank["start_rss"] > 0, rank
-    assert wide.rank_peak_over_shard == max(r["load_peak"] / r["shard_bytes"] for r in wide.ranks) > 1
+    over_idle = [(r["load_peak"] - r["start_rss"]) / r["shard_bytes"] for r in wide.ranks]  # the idle RSS is no load's
+    assert wide.rank_peak_over_shard == max(over_idle) > 0
+    assert not (tmp_path / "work" / "hf-real-width-roundtrip").exists()  # roundtrip --output's, removed after
     lines = bench_report.real_width_lines(wide)
-    assert lines[1].startswith("target every rank's peak RSS <= 1.5x its shard (build + load): ")
+    assert lines[1].startswith("target every rank's peak RSS over its RSS before <= 1.5x its shard (build + load): ")
     # rollout-check's scoring, a layer at a time in a process of its own: its peak and the bound's parts
     assert wide.scoring["peak"] >= wide.scoring["start_rss"] > 0 and wide.scoring["embedding"] > 0
     assert 0 < wide.scoring["two_layers"] < wide.size_bytes and wide.rollout_check_bound > wide.scoring["embedding"]
-    assert lines[3].startswith("target rollout-check's scoring peak RSS <= the embedding + two decoder layers + 1 GB")
+    # export-live's stream there against rank 0 cloning the same bytes
+    rank0 = wide.ranks[0]
+    assert rank0["live_bytes"] > 0 and rank0["copy_seconds"] > 0 and rank0["live_seconds"] > 0
+    assert wide.live_vs_copy == rank0["live_seconds"] / rank0["copy_seconds"]
+    assert lines[3].startswith("target live export on 2 ranks <= 3x rank 0 cloning the same bytes: ")
+    assert lines[4].startswith("target rollout-check's scoring peak RSS <= the embedding + two decoder layers + 1 GB")
     assert bench_report.real_width_fields(wide) == (
         f"rank_peak_over_shard={wide.rank_peak_over_shard:.3f} "
         f"roundtrip_rank0_extra_mb={wide.roundtrip_rank0_extra / 1e6:.1f} "
-        f"rollout_check_peak_mb={wide.rollout_check_peak / 1e6:.1f}"
+        f"rollout_check_peak_mb={wide.rollout_check_peak / 1e6:.1f} live_vs_copy_8r={wide.live_vs_copy:.3f}"
     )
     assert not list((tmp_path / "work").iterdir())
 

@@ -226,6 +226,29 @@ def test_reinitialises_many_topologies_in_one_world(local_world) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _leave_a_cycle(nbytes: int) -> int:
+    """Return, leaving ``nbytes`` in a reference cycle (a Megatron model's modules reference each other)."""
+    import torch
+
+    cycle: dict = {"tensor": torch.ones(nbytes, dtype=torch.uint8)}
+    cycle["self"] = cycle
+    return _rss()
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) << 10 for line in status if line.startswith("VmRSS:"))
+
+
+def test_a_job_leaves_nothing_for_the_next(local_world) -> None:
+    """A rank serves job after job: what a job left in a reference cycle is collected before the next
+    runs (a 2-layer 26B-A4B round trip's model stayed, 1.1 GB a rank, and the next load came on top)."""
+    world = local_world(2)
+    holding = world.run(_leave_a_cycle, 300 << 20)
+    after = world.run(_rss)
+    assert all(held - now > 250 << 20 for held, now in zip(holding, after, strict=True)), (holding, after)
+
+
 def test_rank_error_reports_traceback_and_world_recovers(local_world) -> None:
     world = local_world(2)
     before = [pid for _, pid in world.run(_whoami)]

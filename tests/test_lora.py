@@ -30,7 +30,8 @@ from vime_flow import save_lora_adapter_for_vllm
 
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.core.hf_layout import STACK_NAME, STACK_PROJECTIONS, per_expert_name
-from vime_gemma4_bridge.io.hf import HFCheckpoint, write_hf_checkpoint
+from vime_gemma4_bridge.io.hf import HFCheckpoint
+from vime_gemma4_bridge.io.hf_write import write_hf_checkpoint
 from vime_gemma4_bridge.testing.spec import TinySpec
 from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 from vime_gemma4_bridge.verify.parity import FLOAT32_MAX_ABS_TOLERANCE, compare_logits, hf_logits

@@ -77,6 +77,38 @@ def test_roundtrip_is_bitwise(local_world, tiny_checkpoints, world: int, topolog
     assert_bitwise(result[0])
 
 
+def _roundtrip_with_one_changed_tensor(hf_checkpoint: str, output: str, changed: str) -> dict:
+    """``roundtrip --output`` at TP2 whose export (rank 0's stream) has one element of ``changed`` off by one,
+    or, with ``changed="extra"``, a tensor the source lacks after the rest."""
+    from unittest import mock
+
+    from vime_gemma4_bridge.convert import model
+
+    export = model.export_to_rank0
+
+    def changed_export(*args, **kwargs):
+        for name, tensor in export(*args, **kwargs):
+            if name == changed:
+                tensor = tensor.clone()
+                tensor.view(-1)[0] += 1
+            yield name, tensor
+        if changed == "extra" and model.is_rank0():
+            yield "model.language_model.extra.weight", torch.zeros(2)
+
+    with mock.patch.object(model, "export_to_rank0", changed_export):
+        return roundtrip_job(hf_checkpoint, Topology(tp=2), output, False, 200_000)
+
+
+@pytest.mark.parametrize("changed", ["model.language_model.norm.weight", "extra"])
+def test_roundtrip_output_is_withheld_when_not_identical(local_world, tiny_checkpoints, tmp_path, changed) -> None:
+    """``--output`` writes each tensor as it arrives, before the comparison's verdict: a round trip that is
+    not bitwise (a changed value, a tensor the source lacks) leaves nothing, not even a partial directory."""
+    out = tmp_path / "hf2"
+    result = local_world(2).run(_roundtrip_with_one_changed_tensor, str(tiny_checkpoints["moe-vl"]), str(out), changed)
+    assert not result[0]["identical"] and result[0]["output"] is None
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_report_names_the_original_bug(tiny_checkpoints) -> None:
     """Planting the reported fault (expert 0 copied over expert E/EP) is caught by name."""
     from vime_gemma4_bridge.io.hf import HFCheckpoint

@@ -209,7 +209,7 @@ def test_json_report_is_the_only_stdout(single_rank, capsys, tmp_path: Path) -> 
     assert report["command"] == "export" and report["ok"]
     assert report["topology"] == "TP1·PP1·EP1·ETP1" and report["world_size"] == 1
     assert report["tensors"] == 88 and report["bytes"] > 0 and report["seconds"] > 0 and report["gb_per_s"] >= 0
-    assert set(report["phases"]) == {"verify", "build", "load", "export", "write"}
+    assert set(report["phases"]) == {"verify", "build", "load", "write"}  # the export arrives into the write
     assert "Writing again" in stderr  # the write's progress bar (the export streams into it), on stderr
 
 
@@ -287,10 +287,11 @@ def test_import_refusals(checkpoints, capsys, tmp_path: Path) -> None:
 def sharded(checkpoints, tmp_path_factory) -> Path:
     """moe-vl re-written in 200 kB shards with an index."""
     from vime_gemma4_bridge.io import hf as hf_io
+    from vime_gemma4_bridge.io import hf_write
 
     source = hf_io.HFCheckpoint(checkpoints["moe-vl"])
     out = tmp_path_factory.mktemp("sharded") / "moe-vl-sharded"
-    hf_io.write_hf_checkpoint(out, source.load(source.language_model_names()), source, max_shard_size=200_000)
+    hf_write.write_hf_checkpoint(out, source.load(source.language_model_names()), source, max_shard_size=200_000)
     assert len(list(out.glob("*.safetensors"))) > 2
     return out
 
@@ -506,6 +507,40 @@ def test_ep8_import_exports_at_tp2pp2_on_4_ranks(local_world, imported_8, tmp_pa
     assert_same_checkpoint(b["hf"], out, ep=8)
 
 
+def _export_watching_rank0(load: str, hf_checkpoint: str, output: str, topology: Topology) -> dict:
+    """``export_job`` with every tensor rank 0's writer takes watched: at each ``put``, how many of the
+    tensors put before are still alive (a rank 0 that collected the language model holds them all)."""
+    import weakref
+    from unittest import mock
+
+    from vime_gemma4_bridge.io import hf_write
+
+    taken: list[weakref.ref] = []
+    alive: list[int] = []
+    put = hf_write.CheckpointWriter.put
+
+    def watched(self, name: str, tensor) -> None:
+        alive.append(sum(ref() is not None for ref in taken))
+        put(self, name, tensor)
+        taken.append(weakref.ref(tensor))
+
+    with mock.patch.object(hf_write.CheckpointWriter, "put", watched):
+        export_job(load, hf_checkpoint, output, topology, False, 10**9)
+    return {"puts": len(taken), "most_alive": max(alive, default=0)}
+
+
+def test_export_at_a_topology_writes_each_tensor_as_it_arrives(local_world, imported_8, tmp_path: Path) -> None:
+    """TP2·PP2·EP2 on 8 ranks: rank 0 writes each exported tensor and drops it before the next arrives
+    (issue 50, item 3); it used to collect all 88 before writing the first."""
+    a = imported_8["A"]
+    out = tmp_path / "A-tp2pp2ep2"
+    watched = local_world(8).run(
+        _export_watching_rank0, str(a["save"]), str(a["hf"]), str(out), Topology(tp=2, pp=2, ep=2)
+    )
+    assert watched[0]["puts"] == 88 and watched[0]["most_alive"] == 0, watched[0]
+    assert_same_checkpoint(a["hf"], out, ep=2)
+
+
 def _export_beside_a_gpu(load: str, hf_checkpoint: str, output: str, topology: Topology) -> dict:
     """``export_job`` on gloo ranks of a machine with a GPU: ``torch.cuda.is_available()`` answers True (stood
     in: this machine has none), and the ranks compute on the CPU (``compat.cuda.on_host``)."""
@@ -577,7 +612,7 @@ def _provider_rebuild_job(save: str, hf_checkpoint: str, topology: Topology) -> 
     )
     torch_dist.load_torch_dist(model, iteration_dir)
     bridge = convert.open_bridge(hf_checkpoint)  # names only: the HF side of the mapping
-    exported = convert.collect_on_rank0(bridge, model)
+    exported = {name: tensor.clone() for name, tensor in convert.export_to_rank0(bridge, model)}
     result = None
     if dist.get_rank() == 0:
         source = hf_io.HFCheckpoint(hf_checkpoint)

@@ -365,7 +365,7 @@ def _megatron_lm_load_job(hf_checkpoint: str, load_dir: str, topology: Topology)
 
     with mock.patch.object(checkpointing, "read_metadata", read_metadata_on_host), cpu_checkpointing():
         iteration = load_checkpoint(model, None, None, strict=True)
-    exported = convert.collect_on_rank0(bridge, model)
+    exported = {name: tensor.clone() for name, tensor in convert.export_to_rank0(bridge, model)}
     result = {"iteration": iteration, "calls": calls}
     if convert.is_rank0():
         source = HFCheckpoint(hf_checkpoint)

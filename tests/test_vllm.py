@@ -36,7 +36,8 @@ from safetensors.torch import save_file
 from vime_gemma4_bridge.cli.main import main as cli
 from vime_gemma4_bridge.convert.live import export_live_job
 from vime_gemma4_bridge.convert.topology import Topology
-from vime_gemma4_bridge.io.hf import HFCheckpoint, write_hf_checkpoint
+from vime_gemma4_bridge.io.hf import HFCheckpoint
+from vime_gemma4_bridge.io.hf_write import write_hf_checkpoint
 from vime_gemma4_bridge.testing.spec import TinySpec
 from vime_gemma4_bridge.testing.tiny import write_tiny_checkpoint
 from vime_gemma4_bridge.verify.parity import excluded_token_ids, fixed_token_ids

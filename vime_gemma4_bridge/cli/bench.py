@@ -36,7 +36,8 @@ measured is memory bandwidth and the safetensors/Python overheads, not the disk.
 The synthetic checkpoint (:mod:`vime_gemma4_bridge.testing.synthetic`) is a Gemma 4 VL MoE checkpoint
 with 26B-A4B's proportions, experts ~90% of the bytes; ``--scaling`` doubles its layers and vocabulary.
 ``--real-width`` adds memory at the shard on 26B-A4B's published widths (:func:`measure_real_width`):
-every rank's peak RSS over its parameter bytes on 8 ranks, and rank 0's during a round trip.
+every rank's peak RSS over its idle RSS and parameter bytes on 8 ranks, rank 0's during ``roundtrip
+--output``, and ``export-live``'s stream there against rank 0 cloning the same bytes (``live_vs_copy_8r``).
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def run_bench(
         for source in sources:
             shutil.rmtree(source, ignore_errors=True)
     if real_width:
-        result.real_width = measure_real_width(workdir, keep=keep, quiet=quiet, log=log)
+        result.real_width = measure_real_width(workdir, buffer_size=buffer_size, keep=keep, quiet=quiet, log=log)
     return result
 
 
@@ -243,6 +244,7 @@ def measure_real_width(
     spec: TinySpec | None = None,
     *,
     at: tuple[int, Topology] = REAL_WIDTH_AT,
+    buffer_size: int = 1 << 30,
     keep: bool = False,
     quiet: bool = True,
     world_for: Callable[[int], LocalWorld] | None = None,
@@ -250,16 +252,19 @@ def measure_real_width(
 ) -> RealWidth:
     """Memory at the shard at published widths (``spec``, default :data:`REAL_WIDTH_PRESET` cut to
     :data:`REAL_WIDTH_LAYERS` layers), ``at`` (world size, topology): every rank's peak RSS over its shard
-    bytes while the model is built and loaded, then rank 0's peak over its shard during a round trip,
-    which must be bitwise; then ``rollout-check``'s scoring there, in one process, layer by layer
-    (``bench_jobs.rollout_scoring_job``). ``world_for(n)`` supplies the worlds (not closed here)."""
+    bytes while the model is built and loaded, then rank 0's peak over its shard during ``roundtrip
+    --output`` (compared and written as the export streams), which must be bitwise, and ``export-live``'s
+    stream there in chunks of ``buffer_size`` against rank 0 cloning the same bytes; then ``rollout-check``'s
+    scoring there, in one process, layer by layer (``bench_jobs.rollout_scoring_job``).
+    ``world_for(n)`` supplies the worlds (not closed here)."""
     spec = spec or preset(REAL_WIDTH_PRESET, REAL_WIDTH_LAYERS)
     path, nbytes = write_synthetic_checkpoint(workdir / "hf-real-width", spec)
     log(f"bench: real width: {nbytes / 1e9:.3f} GB, hidden {spec.hidden_size}, {spec.layers} layers")
     nproc, topology = at
     with contextlib.ExitStack() as stack:
         world = world_for(nproc) if world_for else stack.enter_context(LocalWorld(nproc))
-        ranks = world.run(shard_memory_job, str(path), topology, True, quiet)
+        output = workdir / "hf-real-width-roundtrip"  # roundtrip --output's checkpoint
+        ranks = world.run(shard_memory_job, str(path), topology, str(output), buffer_size, quiet)
     log(f"bench: real width: load and round trip at {topology} on {nproc} ranks done")
     if not ranks[0]["identical"]:
         raise RuntimeError(f"the round trip of {path} at {topology} was not bitwise identical")
@@ -268,6 +273,7 @@ def measure_real_width(
         scoring = world.run(rollout_scoring_job, str(path), quiet)[0]
     log("bench: real width: rollout-check's scoring done")
     largest = largest_tensor_bytes(path)[1]
+    _cleanup(output, keep)
     _cleanup(path, keep)
     return RealWidth(nbytes, largest, str(topology), ranks, scoring)
 
@@ -358,7 +364,8 @@ the ranks (start-up and imports excluded) with its peak RSS. Prints a table, the
 (nproc 1, the first size): export_vs_reference=.. import_vs_reference=.. live_vs_copy=..
 live_peak_extra_mb=.. layer_experts_mb=.. import_peak_extra_mb=.. export_peak_extra_mb=..
 live_per_expert_peak_extra_mb=.. live_fp8_gb_per_s=.. checksum_overhead=.. rank_peak_over_shard=..
-roundtrip_rank0_extra_mb=.. rollout_check_peak_mb=.. (the last three nan unless --real-width).
+roundtrip_rank0_extra_mb=.. rollout_check_peak_mb=.. live_vs_copy_8r=.. (the last four nan unless
+--real-width).
 With --scaling, also twice the first size: time and peak-memory doubling ratios. With --dense e4b,
 an E4B-shaped dense checkpoint instead (PLE table the largest tensor; TP = min(nproc, 2)): the
 memory yardstick is that tensor (largest_tensor_mb= in place of layer_experts_mb=). Targets are
@@ -412,7 +419,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="also measure memory at the shard on 26B-A4B's published widths cut to 2 layers (4.8 GB, as tiny "
         "--preset 26b-a4b --layers 2): every rank's peak RSS over its shard while building and loading at "
-        "TP2·PP2·EP4 on 8 ranks, then rank 0's during a round trip there (~18 GB of RAM, ~1 min)",
+        "TP2·PP2·EP4 on 8 ranks, rank 0's during roundtrip --output there, the live export's time there against "
+        "a plain copy of the same bytes (live_vs_copy_8r=), and rollout-check's scoring (~18 GB of RAM, ~8 min)",
     )
     parser.add_argument(
         "--buffer-size",

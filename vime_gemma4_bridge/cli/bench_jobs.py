@@ -12,7 +12,6 @@ its yardstick, a plain copy. The command and its report are :mod:`vime_gemma4_br
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import io
 import logging
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vime_gemma4_bridge.convert.topology import Topology
+from vime_gemma4_bridge.runtime.memory import release_freed_memory
 
 __all__ = ["PeakRSS", "live_job", "measured_job", "reference_job", "silenced"]
 
@@ -57,8 +57,7 @@ def _release_memory() -> None:
     """
     os.sync()
     gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    release_freed_memory()
 
 
 class PeakRSS:
@@ -222,7 +221,7 @@ def _measured_stream(bridge: Any, model: Sequence[Any], buffer_size: int, **stre
     chunks = tensors = nbytes = largest = 0
     with PeakRSS() as memory:
         start, cpu = time.perf_counter(), _cpu_seconds()
-        for chunk in chunk_by_bytes(iter_hf_weights(bridge, model, cpu=True, **stream), buffer_size):
+        for chunk in chunk_by_bytes(iter_hf_weights(bridge, model, **{"cpu": True, **stream}), buffer_size):
             size = sum(t.numel() * t.element_size() for _, t, _ in chunk)
             chunks, tensors, nbytes, largest = chunks + 1, tensors + len(chunk), nbytes + size, max(largest, size)
             del chunk  # pushed: the consumer lets it go before the next one is assembled
@@ -241,18 +240,19 @@ def _measured_stream(bridge: Any, model: Sequence[Any], buffer_size: int, **stre
     }
 
 
-def _copy_reference(bridge: Any, model: Sequence[Any], buffer_size: int) -> dict[str, Any]:
+def _copy_reference(bridge: Any, model: Sequence[Any], buffer_size: int, **stream: Any) -> dict[str, Any]:
     """The live export's memory-speed yardstick: ``torch.clone`` of each tensor it yields, timed alone.
 
-    A second pass of the same stream; only the clones are timed (wall and this thread's CPU), each
-    dropped at once. Its peak extra memory is, by construction, the largest clone.
+    A second pass of the same stream (``stream``: :func:`iter_hf_weights`' options); only the clones
+    are timed (wall and this thread's CPU), each dropped at once. Its peak extra memory is, by
+    construction, the largest clone.
     """
     from vime_gemma4_bridge.convert.live import chunk_by_bytes, iter_hf_weights
 
     _release_memory()
     seconds = cpu = 0.0
     largest = 0
-    for chunk in chunk_by_bytes(iter_hf_weights(bridge, model, cpu=True), buffer_size):
+    for chunk in chunk_by_bytes(iter_hf_weights(bridge, model, **{"cpu": True, **stream}), buffer_size):
         for _, tensor, _ in chunk:
             start, thread_cpu = time.perf_counter(), time.thread_time()
             copied = tensor.clone()
@@ -263,16 +263,19 @@ def _copy_reference(bridge: Any, model: Sequence[Any], buffer_size: int) -> dict
     return {"seconds": seconds, "cpu": cpu, "peak_rss": _rss_bytes(), "extra_rss": largest}
 
 
-def shard_memory_job(hf_checkpoint: str, topology: Topology, roundtrip: bool, quiet: bool = True) -> dict[str, Any]:
+def shard_memory_job(
+    hf_checkpoint: str, topology: Topology, output: str | None, buffer_size: int | None = None, quiet: bool = True
+) -> dict[str, Any]:
     """Memory at the shard (every rank): peak RSS while the model is built and loaded at ``topology`` (as
     ``roundtrip``, ``export-live`` and vime's HF ``--load`` road do), this rank's shard bytes (its
-    parameters) and its RSS before; with ``roundtrip``, then the peak while the export streams against the
-    source as ``roundtrip`` checks it (rank 0 compares) and whether it was bitwise identical.
+    parameters) and its RSS before; with ``output``, then the peak during ``roundtrip --output`` there
+    (the export compared on rank 0 as it streams, and written to ``output``) and whether it was bitwise
+    identical; with ``buffer_size``, then ``export-live``'s stream there (:func:`_one_consumer_live`).
     """
     from vime_gemma4_bridge.convert import model as convert
     from vime_gemma4_bridge.convert.topology import init_model_parallel
     from vime_gemma4_bridge.io import hf as hf_io
-    from vime_gemma4_bridge.verify.roundtrip import compare_on_rank0
+    from vime_gemma4_bridge.verify.roundtrip import roundtrip_on_rank0
 
     with silenced(quiet):
         init_model_parallel(topology)
@@ -282,12 +285,33 @@ def shard_memory_job(hf_checkpoint: str, topology: Topology, roundtrip: bool, qu
             model = convert.loaded_model(bridge, topology)
         shard = sum(p.numel() * p.element_size() for chunk in model for p in chunk.parameters())
         result: dict[str, Any] = {"start_rss": load.baseline, "load_peak": load.peak, "shard_bytes": shard}
-        if roundtrip:
-            with PeakRSS() as check, convert.to_rank0(bridge, model) as tasks:
+        if output is not None:
+            with PeakRSS() as check:
                 source = hf_io.HFCheckpoint(hf_checkpoint)
-                comparison = compare_on_rank0(source, convert.export_language_model(bridge, model, tasks), topology)
-            result |= {"roundtrip_peak": check.peak, "identical": comparison is None or comparison.identical}
+                comparison, written = roundtrip_on_rank0(bridge, model, source, topology, output, force=True)
+            identical = comparison is None or (comparison.identical and written is not None)
+            result |= {"roundtrip_peak": check.peak, "identical": identical}
+        if buffer_size is not None:
+            result |= _one_consumer_live(bridge, model, buffer_size)
     return result
+
+
+def _one_consumer_live(bridge: Any, model: Sequence[Any], buffer_size: int) -> dict[str, Any]:
+    """``export-live``'s stream on these ranks (the tied check, then the export delivered to rank 0 in
+    chunks of ``buffer_size``, not written): its wall time, and rank 0's time to clone the same bytes
+    (:func:`_copy_reference`, a second pass), as ``live_seconds`` / ``copy_seconds``."""
+    from vime_gemma4_bridge.compat.gather_to_one import receives_export
+    from vime_gemma4_bridge.convert import model as convert
+    from vime_gemma4_bridge.core.tied import check_tied_embeddings
+
+    with convert.to_rank0(bridge, model) as tasks:
+        start = time.perf_counter()
+        check_tied_embeddings(model)  # what export-live runs before its stream
+        tied = time.perf_counter() - start
+        live = _measured_stream(bridge, model, buffer_size, conversion_tasks=tasks, cpu=receives_export())
+    with convert.to_rank0(bridge, model) as tasks:
+        copy = _copy_reference(bridge, model, buffer_size, conversion_tasks=tasks, cpu=receives_export())
+    return {"live_seconds": tied + live["seconds"], "live_bytes": live["bytes"], "copy_seconds": copy["seconds"]}
 
 
 #: rollout-check's default prompts: 4 of 8 tokens, 12 tokens served each (``verify/rollout.rollout_check``).

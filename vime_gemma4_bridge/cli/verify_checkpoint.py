@@ -69,7 +69,7 @@ def _spans(path: Path) -> tuple[str, Path, list]:
 def run(args: argparse.Namespace) -> int:
     """Exit 0 iff every recorded digest matches, 1 if one does not, 2 on bad input or no digests."""
     from vime_gemma4_bridge.io.digests import DamagedCheckpoint, check_spans, damaged
-    from vime_gemma4_bridge.io.hf import progress
+    from vime_gemma4_bridge.io.hf_write import progress
 
     try:
         kind, where, spans = _spans(Path(args.dir))

@@ -15,8 +15,10 @@ sync, every other model's bridge) they are upstream's, untouched. Nothing of ups
 
 * PP: the owning stage sends its shard to the consumer's stage only (``send`` / ``recv``; the
   buffer where :func:`~vime_gemma4_bridge.compat.cuda.on_host` says: gloo takes CPU tensors only);
-* TP / ETP: the shards are gathered (``dist.gather``) to the one member that feeds the consumer:
-  the consumer itself, or, for an expert weight, the member of the consumer's EP group;
+* TP / ETP: the shards are gathered (point to point) to the one member that feeds the consumer:
+  the consumer itself, or, for an expert weight, the member of the consumer's EP group; its own
+  shard is not copied, and a column-parallel weight's shards are received into the full tensor in
+  place (compat/mappings.ColumnParallelMapping);
 * EP: upstream's naming of the gathered experts (param_mapping.py L727-819: ``num_experts_per_rank``
   broadcast over PP, the local index from ``extract_expert_number_from_param``, ``local + k ·
   per_rank`` for EP rank ``k``, stacked and squeezed as there), the tensors gathered to the consumer.
@@ -42,7 +44,7 @@ import torch.distributed as dist
 
 from vime_gemma4_bridge.compat.cuda import on_host
 
-__all__ = ["ToOneConsumer", "gathered_to", "receives_export"]
+__all__ = ["ToOneConsumer", "gathered_to", "receives_export", "receives_one_consumer_export"]
 
 #: What the mixin takes over: each must be a method of the build's ``MegatronParamMapping``.
 COLLECTIVES = ("broadcast_from_pp_rank", "gather_from_tp_ranks", "gather_from_ep_ranks")
@@ -111,6 +113,11 @@ def receives_export() -> bool:
     return consumer is None or dist.get_rank() == consumer.rank
 
 
+def receives_one_consumer_export() -> bool:
+    """Whether an export to one consumer (:func:`gathered_to`) is running, on any rank (all ranks agree)."""
+    return _consumer.get() is not None
+
+
 def _ranks(group: Any) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
@@ -156,15 +163,46 @@ def _feeding_member(consumer: _Consumer, group: Any, expert: bool) -> int | None
 
 
 def _gathered(tensor: torch.Tensor, group: Any, size: int, destination: int | None) -> list[torch.Tensor]:
-    """``tensor`` from every member of ``group``, in member order, on ``destination`` only; shape-only elsewhere."""
+    """``tensor`` from every member of ``group``, in member order, on ``destination`` only; shape-only elsewhere.
+
+    Point to point, not ``dist.gather``: a gather copies the destination's own tensor into a buffer of
+    its own, and the mapping then concatenates the list into a third copy, so the destination held
+    twice the gathered weight (2.96 GB for 26B-A4B's embedding at TP2). Here its own part is the
+    tensor itself, and only the other members' parts are received.
+    """
     if destination is None:
         return [_shape_only(tensor) for _ in range(size)]
     if dist.get_rank() != destination:
-        dist.gather(tensor.contiguous(), None, dst=destination, group=group)
+        dist.send(tensor.contiguous(), dst=destination, group=group)
         return [_shape_only(tensor) for _ in range(size)]
-    gathered = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(size)]
-    dist.gather(tensor.contiguous(), gathered, dst=destination, group=group)
+    gathered = []
+    for member in _ranks(group):
+        if member == destination:
+            gathered.append(tensor)
+        else:
+            gathered.append(torch.empty_like(tensor, memory_format=torch.contiguous_format))
+            dist.recv(gathered[-1], src=member, group=group)
     return gathered
+
+
+def _gathered_rows(tensor: torch.Tensor, group: Any, destination: int | None) -> torch.Tensor:
+    """The members' ``tensor`` concatenated along dim 0, in member order, received into place on ``destination``;
+    a shape-only tensor of that shape elsewhere (what upstream's concatenation of shape-only parts gives)."""
+    members = _ranks(group)
+    rows = tensor.shape[0]
+    shape = (rows * len(members), *tensor.shape[1:])
+    if destination is None or dist.get_rank() != destination:
+        if destination is not None:
+            dist.send(tensor.contiguous(), dst=destination, group=group)
+        return torch.empty(shape, dtype=tensor.dtype, device="meta")
+    full = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    for index, member in enumerate(members):
+        part = full[index * rows : (index + 1) * rows]
+        if member == destination:
+            part.copy_(tensor)
+        else:
+            dist.recv(part, src=member, group=group)
+    return full
 
 
 class ToOneConsumer:
@@ -207,6 +245,14 @@ class ToOneConsumer:
             return super().gather_from_tp_ranks(tensor)
         destination = _feeding_member(consumer, self.tp_group, expert=self.is_expert)
         return _gathered(tensor, self.tp_group, self.tp_size, destination)
+
+    def gather_rows_to_one(self, tensor: torch.Tensor) -> torch.Tensor:
+        """For one consumer: the TP shards concatenated along dim 0 on the member that feeds it, each received
+        into its place (``gather_from_tp_ranks`` and upstream's ``torch.cat`` hold the weight twice there:
+        2.2 GB for 26B-A4B's 1.48 GB embedding at TP2, what tipped an 8-layer ``export-live`` over 24 GB)."""
+        consumer = _consumer.get()
+        assert consumer is not None, "gather_rows_to_one is for the one-consumer export"
+        return _gathered_rows(tensor, self.tp_group, _feeding_member(consumer, self.tp_group, expert=self.is_expert))
 
     def gather_from_ep_ranks(
         self, megatron_weights: torch.Tensor, megatron_module: Any, hf_param_name: Any

@@ -40,7 +40,7 @@ import torch
 from megatron.bridge.models.conversion import param_mapping
 from torch import nn
 
-from vime_gemma4_bridge.compat.gather_to_one import ToOneConsumer
+from vime_gemma4_bridge.compat.gather_to_one import ToOneConsumer, receives_one_consumer_export
 
 
 class ReplicatedMapping(ToOneConsumer, param_mapping.ReplicatedMapping):
@@ -58,7 +58,29 @@ class ReplicatedMapping(ToOneConsumer, param_mapping.ReplicatedMapping):
 
 
 class ColumnParallelMapping(ToOneConsumer, param_mapping.ColumnParallelMapping):
-    """Upstream ``ColumnParallelMapping``, the column delegate of the plugin's ``AutoMapping`` classes."""
+    """Upstream ``ColumnParallelMapping``, the column delegate of the plugin's ``AutoMapping`` classes.
+
+    For one consumer (``gather_to_one.gathered_to``) a non-expert weight's TP shards are received into
+    the full tensor in place (:meth:`~vime_gemma4_bridge.compat.gather_to_one.ToOneConsumer.gather_rows_to_one`)
+    instead of gathered into a list that upstream then concatenates (docs/UPSTREAM.md 73). The steps
+    around it are upstream's, in its order (param_mapping.py L1029-1053 at 0.6.2: the PP broadcast,
+    ``maybe_dequantize`` where the build has it, the gather); an expert weight (its EP gather follows),
+    a single TP rank, and every export outside ``gathered_to`` take upstream's method. The commands
+    that enter ``gathered_to`` build their models without FSDP.
+    """
+
+    def megatron_to_hf(
+        self, megatron_weights: torch.Tensor | None, megatron_module: nn.Module | None
+    ) -> dict[str, torch.Tensor]:
+        if not receives_one_consumer_export() or self.tp_size == 1 or self.is_expert:
+            return super().megatron_to_hf(megatron_weights, megatron_module)
+        megatron_weights = self.broadcast_from_pp_rank(megatron_weights, cache_key=str(self.hf_param))
+        if megatron_weights is None:
+            return {}
+        dequantize = getattr(self, "maybe_dequantize", None)
+        if dequantize is not None:
+            megatron_weights = dequantize(megatron_weights)
+        return {str(self.hf_param): self.gather_rows_to_one(megatron_weights)}
 
 
 class RowParallelMapping(ToOneConsumer, param_mapping.RowParallelMapping):
@@ -115,16 +137,61 @@ class StatedAutoMapping(StatedParallelism, AutoMapping):
     """
 
 
-class ColumnParallel(StatedAutoMapping):
+class ReadsOwnSlice:
+    """Mixin for a stated column / row mapping of the table (the load hands it the HF tensor on every
+    TP rank): each rank narrows the HF tensor to its own slice; nothing is scattered.
+
+    Upstream's ``ColumnParallelMapping`` / ``RowParallelMapping.hf_to_megatron`` (param_mapping.py
+    L962 / L1132 at 0.6.2) have TP rank 0 split the whole HF tensor and scatter the parts, each rank
+    receiving its part into a buffer of its own before the load copies it into the parameter. The
+    load's HF tensors are memory-mapped (safetensors' ``get_tensor``: a page costs memory once
+    read), so rank 0 read every byte: 26B-A4B's 1.48 GB embedding put the TP-rank-0 ranks at 2.5x
+    their shard over their idle RSS. A narrowed view is copied into the parameter by the load, which
+    reads this rank's pages alone. Upstream's path where a slice would not be exact (padded
+    vocabulary rows, a permutation, a CUDA parameter, a tensor without the split dimension): every
+    TP rank decides alike, from shapes and devices they share (docs/UPSTREAM.md 72).
+    """
+
+    parallelism: ClassVar[str]
+
+    def hf_to_megatron(self, hf_weights: torch.Tensor, megatron_module: nn.Module) -> torch.Tensor:
+        own = self._own_slice(hf_weights, megatron_module)
+        return super().hf_to_megatron(hf_weights, megatron_module) if own is None else own
+
+    def _own_slice(self, hf_weights: torch.Tensor | None, megatron_module: nn.Module) -> torch.Tensor | None:
+        from megatron.bridge.models.conversion.utils import get_module_and_param_from_name
+
+        if hf_weights is None or self.tp_size == 1 or getattr(self, "permute_dims", None) is not None:
+            return None
+        _, target = get_module_and_param_from_name(
+            megatron_module, self._normalize_expert_param_name(self.megatron_param)
+        )
+        dim = {"column": 0, "row": 1}[self.parallelism]
+        if target.device.type != "cpu" or hf_weights.dim() != target.dim() or hf_weights.dim() <= dim:
+            return None
+        part = target.shape[dim]
+        if hf_weights.shape[dim] != part * self.tp_size:
+            return None
+        return hf_weights.narrow(dim, self.tp_rank * part, part).to(target.dtype)
+
+
+class ColumnParallel(ReadsOwnSlice, StatedAutoMapping):
     """Split along the output dimension (dim 0) over TP: column-parallel linears, the vocab-parallel embedding."""
 
     parallelism = "column"
 
 
-class RowParallel(StatedAutoMapping):
+class RowParallel(ReadsOwnSlice, StatedAutoMapping):
     """Split along the input dimension (dim 1) over TP: row-parallel linears."""
 
     parallelism = "row"
+
+
+class _ColumnDelegate(StatedAutoMapping):
+    """Column-parallel by statement, scattered from TP rank 0 as upstream does: the delegate of a mapping
+    that builds the HF tensor on TP rank 0 alone (QKV merges there), so no other rank could slice it."""
+
+    parallelism = "column"
 
 
 class Replicated(StatedAutoMapping):
@@ -144,7 +211,7 @@ class ColumnParallelQKVMapping(ToOneConsumer, param_mapping.QKVMapping):
     def __init__(self, megatron_param: str, q: str, k: str, v: str) -> None:
         super().__init__(megatron_param, q=q, k=k, v=v)
         self.allow_hf_name_mismatch = True
-        self._tp_mapping = ColumnParallel(megatron_param, megatron_param)
+        self._tp_mapping = _ColumnDelegate(megatron_param, megatron_param)
 
 
 class RowParallelFusedExpertMapping(StatedParallelism, OwnDelegates, ToOneConsumer, param_mapping.FusedExpertMapping):

@@ -39,7 +39,9 @@ from vime_gemma4_bridge.convert.fp8 import check_quantize, config_fields, quanti
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.core.hf_layout import PER_EXPERT, STACKED, check_expert_layout, stack_of
 from vime_gemma4_bridge.io import hf as hf_io
+from vime_gemma4_bridge.io import hf_write
 from vime_gemma4_bridge.io.commit import atomic_directory
+from vime_gemma4_bridge.runtime.memory import release_freed_memory
 
 __all__ = ["NamedWeight", "chunk_by_bytes", "export_live_job", "iter_hf_weights", "megatron_names_by_hf_name"]
 
@@ -115,6 +117,7 @@ def _exported(bridge: Any, model: list, cpu: bool, tasks: list, expert_layout: s
             raise ValueError(f"live export produced {hf_name!r} twice")
         seen.add(hf_name)
         yield hf_name, tensor, megatron_name
+        del item, tensor  # not held while the next one is made
 
 
 def chunk_by_bytes(weights: Iterable[NamedWeight], max_bytes: int) -> Iterator[list[NamedWeight]]:
@@ -151,7 +154,7 @@ def export_live_job(
 
     ``expert_layout`` and ``quantize`` are :func:`iter_hf_weights`'.
 
-    Each chunk is one safetensors file (the one shard writer, :func:`~vime_gemma4_bridge.io.hf.save_safetensors`),
+    Each chunk is one safetensors file (the one shard writer, :func:`~vime_gemma4_bridge.io.hf_write.save_safetensors`),
     named ``model-0000i-of-0000N`` once N is known, with an index and the checkpoint's side files; the
     directory is committed atomically (``force`` was checked by the command: an existing ``dump`` is replaced).
     """
@@ -187,8 +190,11 @@ def export_live_job(
                         continue
                     name = f"model-{index:05d}.safetensors"
                     state = [(hf_name, tensor) for hf_name, tensor, _ in chunk]
-                    hf_io.save_safetensors(tmp / name, state, metadata={"format": "pt"})
+                    hf_write.save_safetensors(tmp / name, state, metadata={"format": "pt"})
                     files.append((name, [n for n, _ in state], sum(hf_io.tensor_nbytes(t) for _, t in state)))
+                    del chunk, state  # written: not held while the next chunk is assembled
+                    if files[-1][2] >= convert.RELEASE_AFTER:
+                        release_freed_memory()  # what assembling it left in glibc's heaps (runtime/memory.py)
             seconds = time.perf_counter() - start
             if tmp is not None:
                 total = len(files)
@@ -202,7 +208,7 @@ def export_live_job(
                     if item.is_file() and not item.name.endswith(".safetensors") and item.name != hf_io.INDEX_NAME:
                         shutil.copy2(item, tmp / item.name)
                 if quantize == "fp8":  # the dump is a checkpoint vLLM's FP8 method reads
-                    hf_io.update_config(tmp, config_fields(source))
+                    hf_write.update_config(tmp, config_fields(source))
                 total_bytes = sum(size for *_, size in files)
                 index_data = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
                 (tmp / hf_io.INDEX_NAME).write_text(json.dumps(index_data, indent=2) + "\n")
@@ -219,5 +225,5 @@ def export_live_job(
     except OSError as error:  # the writer's disk full, read-only file system, ...
         if not writer:
             raise
-        raise hf_io.write_failed(out, error) from None
+        raise hf_write.write_failed(out, error) from None
     return convert.broadcast_from_rank0(result)

@@ -22,6 +22,7 @@ from vime_gemma4_bridge.compat.gather_to_one import gathered_to, receives_export
 from vime_gemma4_bridge.convert.cpu_host import provide_model
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.core.hf_layout import STACKED
+from vime_gemma4_bridge.runtime.memory import release_freed_memory
 
 
 def open_bridge(hf_checkpoint: str | os.PathLike) -> Any:
@@ -108,15 +109,31 @@ def export_language_model(bridge: Any, model: list[torch.nn.Module], tasks: list
             raise ValueError(f"export produced {name!r} twice; a mapping is duplicated")
         seen.add(name)
         yield name, tensor
+        del item, tensor  # not held while the next one is made
 
 
-def collect_on_rank0(
+#: A tensor of at least this size delivered to rank 0 is followed by :func:`release_freed_memory`.
+RELEASE_AFTER = 64 << 20
+
+
+def export_to_rank0(
     bridge: Any, model: list[torch.nn.Module], conversion_tasks: list | None = None
-) -> dict[str, torch.Tensor]:
-    """Run the export to rank 0 on every rank and keep its tensors there (others get ``{}``)."""
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Run the export to rank 0 on every rank: rank 0 gets ``(hf_name, tensor)`` as each arrives (use it
+    before taking the next), the other ranks nothing (iterating drives their part of the collectives).
+
+    Nothing is kept: a consumer that writes or compares each tensor as it comes holds one at a time,
+    not the language model (48 GB at 26B-A4B).
+    """
     keep = is_rank0()
     with to_rank0(bridge, model, conversion_tasks) as tasks:
-        return {name: tensor.clone() for name, tensor in export_language_model(bridge, model, tasks) if keep}
+        for name, tensor in export_language_model(bridge, model, tasks):
+            large = tensor.numel() * tensor.element_size() >= RELEASE_AFTER
+            if keep:
+                yield name, tensor
+            del tensor  # not held while the next one is made
+            if keep and large:
+                release_freed_memory()  # what making it left in glibc's heaps (runtime/memory.py)
 
 
 def broadcast_from_rank0(obj: Any) -> Any:

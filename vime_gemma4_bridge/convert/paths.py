@@ -15,7 +15,7 @@ run the same steps on whichever they get.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from torch import nn
 
 from vime_gemma4_bridge.compat import seams
 from vime_gemma4_bridge.convert import stream_export, stream_import
-from vime_gemma4_bridge.convert.model import collect_on_rank0, is_rank0
+from vime_gemma4_bridge.convert.model import export_to_rank0, is_rank0
 from vime_gemma4_bridge.convert.topology import Topology
 from vime_gemma4_bridge.io import torch_dist
 from vime_gemma4_bridge.io.hf import HFCheckpoint
@@ -118,9 +118,10 @@ class ExportPath:
         """Read what the export needs from the checkpoint (collective)."""
         torch_dist.load_torch_dist(self.model, iteration_dir)
 
-    def export(self, signature: Mapping[str, Any]) -> dict[str, Any]:
-        """HF name -> tensor (or lazy tensor) on rank 0, ``{}`` elsewhere; ``signature``: the source's."""
-        return collect_on_rank0(self.bridge, self.model)
+    def export(self, signature: Mapping[str, Any]) -> Iterable[tuple[str, Any]]:
+        """``(hf_name, tensor or lazy tensor)`` on rank 0 as each arrives, nothing elsewhere (every rank
+        iterates: collectives); ``signature``: the source's."""
+        return export_to_rank0(self.bridge, self.model)
 
 
 class _StreamedExportPath(ExportPath):
@@ -138,14 +139,12 @@ class _StreamedExportPath(ExportPath):
     def load(self, iteration_dir: Path) -> None:
         torch_dist.load_torch_dist(self.model, iteration_dir, streamed=self.plan.experts.modules())
 
-    def export(self, signature: Mapping[str, Any]) -> dict[str, Any]:
-        exported = collect_on_rank0(self.bridge, self.model, conversion_tasks=self.plan.other_tasks)
-        return self._with_experts(exported)
+    def export(self, signature: Mapping[str, Any]) -> Iterable[tuple[str, Any]]:
+        yield from export_to_rank0(self.bridge, self.model, conversion_tasks=self.plan.other_tasks)
+        yield from self._experts()
 
-    def _with_experts(self, exported: dict[str, Any]) -> dict[str, Any]:
-        if is_rank0():
-            exported.update(stream_export.streamed_export_tensors(self.plan.experts, self.reader))
-        return exported
+    def _experts(self) -> Iterable[tuple[str, Any]]:
+        return stream_export.streamed_export_tensors(self.plan.experts, self.reader).items() if is_rank0() else ()
 
 
 class _DirectExportPath(_StreamedExportPath):
@@ -161,10 +160,10 @@ class _DirectExportPath(_StreamedExportPath):
         if is_rank0():
             self.plan.check_direct(self.reader)  # every chunk stored whole: read as the writer needs it
 
-    def export(self, signature: Mapping[str, Any]) -> dict[str, Any]:
-        if not is_rank0():
-            return {}
-        return self._with_experts(self.plan.lazy_tensors(self.bridge, self.model, self.reader, signature))
+    def export(self, signature: Mapping[str, Any]) -> Iterable[tuple[str, Any]]:
+        if is_rank0():
+            yield from self.plan.lazy_tensors(self.bridge, self.model, self.reader, signature).items()
+            yield from self._experts()
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +175,7 @@ def import_job(
 
 
 def _quantized_layout(source: Any, quantize: str | None) -> dict[str, Any]:
-    """``write_hf_checkpoint``'s arguments for ``quantize`` (none for a plain export)."""
+    """``writing_hf_checkpoint``'s arguments for ``quantize`` (none for a plain export)."""
     from vime_gemma4_bridge.convert import fp8
 
     if fp8.check_quantize(quantize) is None:
@@ -206,6 +206,7 @@ def export_job(
     from vime_gemma4_bridge.convert import model as convert
     from vime_gemma4_bridge.convert.topology import init_model_parallel
     from vime_gemma4_bridge.io import hf as hf_io
+    from vime_gemma4_bridge.io import hf_write
 
     start = time.perf_counter()
     phases = _Phases("export")
@@ -226,16 +227,16 @@ def export_job(
             path.load(iteration_dir)
         source = hf_io.HFCheckpoint(hf_checkpoint)
         signature = source.signatures(source.language_model_names()) if rank0 else {}
-        with phases("export", "exporting to HF names"):
-            exported = path.export(signature)
+        exported = path.export(signature)
         result: dict[str, Any] | None = None
         if rank0:
-            _check_exported(exported, signature)
             towers = _carried_towers(load, iteration_dir, source)
-            with phases("write", f"writing {output}{' in block FP8' if quantize else ''}"):
-                written = hf_io.write_hf_checkpoint(
+            what = f"exporting to HF names and writing {output}{' in block FP8' if quantize else ''}"
+            with phases("write", what):
+                # Each tensor written as it arrives, at its place in the source's layout: rank 0 holds
+                # one at a time, whatever the topology; another name, shape or dtype is refused.
+                with hf_write.writing_hf_checkpoint(
                     output,
-                    exported,
                     source,
                     max_shard_size=max_shard_size,
                     force=force,
@@ -243,16 +244,17 @@ def export_job(
                     carried=towers,
                     before_commit=checking.settle,  # its sources' digests, checked while it wrote
                     **_quantized_layout(source, quantize),
-                )
-            tensor_bytes = sum(hf_io.tensor_nbytes(t) for t in exported.values())
-            moved = phases.seconds["load"] + phases.seconds["export"] + phases.seconds["write"]
-            files, nbytes = _directory_stats(written)
+                ) as writer:
+                    for name, tensor in exported:
+                        writer.put(name, tensor)
+            moved = phases.seconds["load"] + phases.seconds["write"]
+            files, nbytes = _directory_stats(writer.path)
             result = {
                 "command": "export",
                 "ok": True,
                 "load": str(iteration_dir),
                 "hf_checkpoint": hf_checkpoint,
-                "output": str(written),
+                "output": str(writer.path),
                 "topology": str(topology),
                 "parallel": vars(topology),
                 "world_size": dist.get_world_size(),
@@ -260,10 +262,10 @@ def export_job(
                 "loader": path.loader,
                 "layout": layout_name(TorchDistReader(iteration_dir).tensor_keys()),
                 "towers_carried": len(towers),
-                "tensors": len(exported),
-                "bytes": tensor_bytes,
+                "tensors": writer.tensors,
+                "bytes": writer.nbytes,
                 "seconds": round(time.perf_counter() - start, 3),
-                "gb_per_s": _rate(tensor_bytes, moved),
+                "gb_per_s": _rate(writer.nbytes, moved),
                 "phases": phases.seconds,
                 "checksum_seconds": round(phases.seconds["verify"] + hashing_seconds() - hashed_before, 3),
                 "quantize": quantize,
@@ -271,11 +273,13 @@ def export_job(
                 "hf_output": {
                     "files": files,
                     "bytes": nbytes,
-                    "shards": len(list(written.glob("*.safetensors"))),
-                    "tensors": len(hf_io.HFCheckpoint(written).names()),
+                    "shards": len(list(writer.path.glob("*.safetensors"))),
+                    "tensors": len(hf_io.HFCheckpoint(writer.path).names()),
                 },
             }
         else:
+            for _ in exported:  # this rank's part of the export's collectives
+                pass
             checking.settle()  # at the same point as rank 0's, before its commit
         return convert.broadcast_from_rank0(result)
 
@@ -293,29 +297,6 @@ def _carried_towers(load: str, iteration_dir: Path, source: Any) -> dict[str, An
             raise ConversionError(f"torch_dist checkpoint {load} stores the tower tensor {key} in pieces, not whole")
         towers[name] = reader.read(key, zeros, shape)
     return towers
-
-
-def _check_exported(exported: Mapping[str, Any], signature: Mapping[str, list]) -> None:
-    """Refuse to write an HF checkpoint whose language model differs in names, shapes or dtypes from the source's.
-
-    The torch_dist checkpoint may hold trained weights, so values may differ; its layout may not: the
-    output must load wherever the source loads (transformers, vLLM).
-    """
-    from vime_gemma4_bridge.io.hf import SAFETENSORS_DTYPES
-
-    for name, (shape, dtype) in signature.items():
-        if name not in exported:
-            raise ConversionError(f"the export produced no {name}; refusing to write an incomplete checkpoint")
-        tensor = exported[name]
-        got = [list(tensor.shape), SAFETENSORS_DTYPES.get(tensor.dtype, str(tensor.dtype))]
-        if got != [list(shape), dtype]:
-            raise ConversionError(
-                f"the export produced {name} as {got[1]}{got[0]} but --hf-checkpoint has {dtype}{list(shape)}; "
-                "refusing to write a checkpoint of another layout"
-            )
-    extra = sorted(set(exported) - set(signature))
-    if extra:
-        raise ConversionError(f"the export produced {extra[0]}, which --hf-checkpoint lacks ({len(extra)} in all)")
 
 
 def _nbytes(shape: Sequence[int], dtype: str) -> int:

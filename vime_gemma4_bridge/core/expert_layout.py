@@ -48,6 +48,7 @@ def in_expert_layout(layout: str, stream: Iterable[Any]) -> Iterator[Any]:
         if item is _END:
             return
         yield item
+        del item  # not held while the next one is made (a layer's stacked experts: 1 GB at 26B-A4B)
 
 
 _END = object()

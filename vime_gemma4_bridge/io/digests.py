@@ -32,7 +32,7 @@ docs/ARCHITECTURE.md ("Digests") shows:
   ``[B, B+N)`` of ``file``, which hold tensor ``KEY``'s chunk at global offset ``chunk`` (``null`` for a
   non-tensor item). ``files`` are the whole files of the directory that are not ``.distcp`` files
   (the index, common state, run config, sidecar), so the offsets themselves cannot change unseen.
-* **HF safetensors** (every shard :func:`~vime_gemma4_bridge.io.hf.save_safetensors` writes): the
+* **HF safetensors** (every shard :func:`~vime_gemma4_bridge.io.hf_write.Shards` writes): the
   header's ``__metadata__`` holds ``"xxh3_128:<tensor name>": HEX``, the digest of that tensor's data
   bytes (its ``data_offsets``), and ``"xxh3_128:__header__": HEX``, the digest of the header itself as
   written with every ``xxh3_128:`` value reading :data:`PLACEHOLDER` (:func:`header_digest`): a changed

@@ -6,48 +6,37 @@ The language-model filter lives here, in :func:`language_model_prefix` and
 and the live export; everything else (vision/audio towers and their embedders) is copied
 unchanged from the source when a complete HF checkpoint is written.
 
-:func:`save_safetensors` (behind :func:`write_shards`) is the one safetensors shard writer of the
-package: the export, ``roundtrip``, ``export-live`` and the bench's synthetic checkpoint all write
-through it, one tensor (or one piece of a :class:`LazyTensor`) at a time. Output directories are
-committed by :mod:`vime_gemma4_bridge.io.commit`.
+Writing is :mod:`vime_gemma4_bridge.io.hf_write`'s; this module holds what reads and writes share
+(:class:`LazyTensor`, the dtype table, the checks of an output path).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import mmap
 import os
-import shutil
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from vime_gemma4_bridge.core.hf_layout import LANGUAGE_MODEL_PREFIX
-from vime_gemma4_bridge.io.commit import atomic_directory, remove_stale_partials
+from vime_gemma4_bridge.io.commit import remove_stale_partials
 from vime_gemma4_bridge.io.digests import (
-    HEADER_KEY,
-    HF_PREFIX,
-    PLACEHOLDER,
-    Hasher,
     Span,
     check_spans,
     damaged,
-    header_digest,
     hf_spans,
-    write_hashed,
 )
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 #: Weight files are rewritten; every other file of the source (config, generation config,
 #: tokenizer, processor, chat template, ...) is copied as is.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
 
 
 class CheckpointError(ValueError):
@@ -86,6 +75,35 @@ class TensorLocation:
     nbytes: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+    @classmethod
+    def in_file(cls, path: Path, names: Iterable[str]) -> dict[str, TensorLocation]:
+        """Where each of ``names`` is in safetensors file ``path``, from its header (no data read)."""
+        with open(path, "rb") as handle:
+            header_size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(header_size))
+        found = {}
+        for name in names:
+            begin, end = header[name]["data_offsets"]
+            shape, dtype = tuple(header[name]["shape"]), TORCH_DTYPES[header[name]["dtype"]]
+            found[name] = cls(path, 8 + header_size + begin, end - begin, shape, dtype)
+        return found
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of the tensor (dim 0), read now into memory of their own.
+
+        Read, not mapped: a mapping keeps every page it touched in this process until it is closed,
+        so a check reading a large tensor block by block through one would end up holding it whole.
+        """
+        row = self.nbytes // self.shape[0] if self.shape and self.shape[0] else 0
+        stop = min(stop, self.shape[0])
+        out = torch.empty((max(0, stop - start), *self.shape[1:]), dtype=self.dtype)
+        with open(self.file, "rb", buffering=0) as handle:
+            handle.seek(self.offset + start * row)
+            view = memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B")
+            if handle.readinto(view) != len(view):
+                raise CheckpointError(f"{self.file} ends inside its tensor's bytes")
+        return out
 
     def mapped(self) -> torch.Tensor:
         """The tensor over a private memory mapping of its shard: only the pages that are read are loaded."""
@@ -198,14 +216,7 @@ class HFCheckpoint:
         """:meth:`locate` for each of ``names``, reading each shard's header once."""
         found: dict[str, TensorLocation] = {}
         for file, file_names in self.by_shard(names).items():
-            path = self.path / file
-            with open(path, "rb") as handle:
-                header_size = int.from_bytes(handle.read(8), "little")
-                header = json.loads(handle.read(header_size))
-            for name in file_names:
-                begin, end = header[name]["data_offsets"]
-                shape, dtype = tuple(header[name]["shape"]), TORCH_DTYPES[header[name]["dtype"]]
-                found[name] = TensorLocation(path, 8 + header_size + begin, end - begin, shape, dtype)
+            found.update(TensorLocation.in_file(self.path / file, file_names))
         return found
 
     def lazy(self, name: str) -> LazyTensor:
@@ -303,142 +314,6 @@ def tensor_nbytes(tensor: torch.Tensor | LazyTensor) -> int:
     return tensor.nbytes if isinstance(tensor, LazyTensor) else tensor.numel() * tensor.element_size()
 
 
-def write_hf_checkpoint(
-    out: str | os.PathLike,
-    language_tensors: Mapping[str, torch.Tensor | LazyTensor],
-    source: HFCheckpoint,
-    *,
-    max_shard_size: int = 5 * 10**9,
-    force: bool = False,
-    show_progress: bool = False,
-    rewrite: Callable[[list[NamedTensor]], list[NamedTensor]] | None = None,
-    config_fields: Mapping[str, Any] | None = None,
-    carried: Mapping[str, torch.Tensor | LazyTensor] | None = None,
-    before_commit: Callable[[], None] = lambda: None,
-) -> Path:
-    """Write a complete HF checkpoint: ``language_tensors`` plus everything else copied from ``source``.
-
-    ``carried``: tensors outside the language model written in place of ``source``'s (the towers a
-    vision-language torch_dist checkpoint holds); each must be one of ``source``'s names.
-
-    Tensors keep the source's order; ``show_progress`` draws a progress bar on stderr (lazy tensors
-    are produced while written, so for a streaming export this is the long phase). The checkpoint
-    is assembled in a temporary sibling directory and renamed into place only when complete, so an
-    interrupted run leaves nothing that looks like a checkpoint; the source is only read.
-    ``rewrite`` turns the complete, ordered list into another layout (FP8 export:
-    ``convert/fp8.quantized_checkpoint``) and ``config_fields`` are set in its ``config.json``.
-    ``before_commit`` runs when every file is written, before the rename; what it raises leaves
-    nothing (an export settles the check of its sources' digests there, run while it wrote).
-    """
-    out = prepare_output(out, force=force)
-    expected = set(source.language_model_names())
-    if set(language_tensors) != expected:
-        missing = sorted(expected - set(language_tensors))[:3]
-        extra = sorted(set(language_tensors) - expected)[:3]
-        raise CheckpointError(f"refusing to write an incomplete checkpoint: missing {missing}, unexpected {extra}")
-    try:
-        with atomic_directory(out, replace=force) as tmp:
-            copy_side_files(source, tmp)
-            if config_fields:
-                update_config(tmp, config_fields)
-            # Copied from the source shard as they are written, not loaded beforehand: the vision
-            # tower costs no memory, whatever its size.
-            other_tensors = {name: source.lazy(name) for name in source.names() if name not in expected}
-            if set(carried or ()) - set(other_tensors):
-                raise CheckpointError(f"refusing to carry tensors {sorted(set(carried) - set(other_tensors))[:3]}")
-            other_tensors.update(carried or {})
-            ordered = [
-                (name, language_tensors[name] if name in expected else other_tensors[name]) for name in source.names()
-            ]
-            if rewrite is not None:
-                ordered = rewrite(ordered)
-            with progress(f"Writing {out.name}", len(ordered), show_progress) as advance:
-                write_shards(tmp, ordered, max_shard_size, advance=advance)
-            before_commit()
-    except OSError as error:  # disk full, permission denied, read-only file system, ...
-        raise write_failed(out, error) from None
-    return out
-
-
-def write_failed(out: Path, error: OSError) -> CheckpointError:
-    """The one-line failure of an atomic write of ``out`` (disk full, read-only, ...): the path named, nothing
-    left (``atomic_directory`` removed the partial). A bare ``OSError`` says neither."""
-    return CheckpointError(
-        f"writing {out} failed: {error.strerror or error} ({error.filename or out.parent}); nothing was written"
-    )
-
-
-def update_config(directory: Path, fields: Mapping[str, Any]) -> None:
-    """Set ``fields`` at the top level of ``directory/config.json`` (an FP8 export's ``quantization_config``)."""
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, **fields}, indent=2) + "\n")
-
-
-def copy_side_files(source: HFCheckpoint, directory: Path) -> None:
-    """Copy every file of ``source`` that is not weights or their index (config, tokenizer, ...) into ``directory``."""
-    for item in source.path.iterdir():
-        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != INDEX_NAME:
-            shutil.copy2(item, directory / item.name)
-
-
-@contextlib.contextmanager
-def progress(description: str, total: int, show: bool) -> Iterator[Callable[[], None]]:
-    """A step callback drawing a progress bar on stderr when ``show``, like Megatron-Bridge's (rich)."""
-    if not show:
-        yield lambda: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-    columns = (
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        TextColumn("[progress.percentage]{task.percentage:>3.0f}%"),
-        TimeRemainingColumn(),
-        TextColumn("({task.completed}/{task.total})"),
-    )
-    with Progress(*columns, console=Console(stderr=True)) as bar:  # stdout is the report's
-        task = bar.add_task(description, total=total)
-        yield lambda: bar.update(task, advance=1)
-
-
-def write_shards(
-    directory: Path,
-    tensors: Sequence[tuple[str, torch.Tensor | LazyTensor]],
-    max_shard_size: int,
-    *,
-    always_index: bool = False,
-    advance: Callable[[], None] = lambda: None,
-) -> None:
-    """Write ``tensors`` in order as safetensors shards of at most ``max_shard_size`` bytes, with an index.
-
-    A tensor larger than the limit is a shard alone. One shard is ``model.safetensors`` without an
-    index (as transformers writes it) unless ``always_index``; several are
-    ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``.
-    """
-    shards: list[list[tuple[str, torch.Tensor | LazyTensor]]] = [[]]
-    size = 0
-    for name, tensor in tensors:
-        nbytes = tensor_nbytes(tensor)
-        if shards[-1] and size + nbytes > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, tensor))
-        size += nbytes
-    metadata = {"format": "pt"}
-    if len(shards) == 1 and not always_index:
-        save_safetensors(directory / SINGLE_NAME, shards[0], metadata=metadata, advance=advance)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_safetensors(directory / file, shard, metadata=metadata, advance=advance)
-        weight_map.update({name: file for name, _ in shard})
-    total = sum(tensor_nbytes(t) for _, t in tensors)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-
-
 #: torch dtype -> safetensors dtype name, and each name's bytes per element: the one table of both.
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -458,71 +333,3 @@ SAFETENSORS_DTYPES = {
 }
 DTYPE_BYTES = {name: dtype.itemsize for dtype, name in SAFETENSORS_DTYPES.items()}
 TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
-
-
-def save_safetensors(
-    path: Path,
-    tensors: Sequence[tuple[str, torch.Tensor | LazyTensor]],
-    *,
-    metadata: Mapping[str, str],
-    advance: Callable[[], None] = lambda: None,
-) -> None:
-    """Write one safetensors file, streaming each tensor's bytes in order.
-
-    The format is an 8-byte little-endian header length, a JSON header (names, dtypes, shapes,
-    byte ranges; padded with spaces to 8 bytes) and the tensors' bytes back to back. safetensors'
-    own ``save_file`` needs every tensor of the file in memory at once; this writer needs one
-    piece of a :class:`LazyTensor` at a time, and writes eager tensors without a staging copy.
-    The files read back with ``safetensors`` / transformers / vLLM like any other.
-
-    Each tensor's digest is computed from the bytes as they are written (on a thread beside the write,
-    :func:`~vime_gemma4_bridge.io.digests.write_hashed`) and recorded in the header
-    metadata (:mod:`vime_gemma4_bridge.io.digests`): the header is written with placeholders of the
-    same length first and rewritten in place at the end, so no byte is read or produced twice.
-    """
-    digests = {name: PLACEHOLDER for name, _ in tensors} | {HEADER_KEY: PLACEHOLDER}
-    header: dict[str, object] = {"__metadata__": dict(metadata)}
-    offset = 0
-    for name, tensor in tensors:
-        nbytes = tensor_nbytes(tensor)
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-
-    def encoded_header() -> bytes:
-        recorded = {(key if key == HEADER_KEY else HF_PREFIX + key): digest for key, digest in digests.items()}
-        header["__metadata__"] = {**metadata, **recorded}
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        return encoded + b" " * (-len(encoded) % 8)
-
-    first = encoded_header()
-    digests[HEADER_KEY] = header_digest(header)
-    with open(path, "wb") as handle:
-        handle.write(len(first).to_bytes(8, "little"))
-        handle.write(first)
-        for name, tensor in tensors:
-            pieces = tensor.pieces() if isinstance(tensor, LazyTensor) else iter((tensor,))
-            hasher, written = Hasher(), 0
-            for piece in pieces:
-                written += _write_bytes(handle, piece, hasher)
-            if written != tensor_nbytes(tensor):
-                raise CheckpointError(f"{name}: produced {written} bytes, expected {tensor_nbytes(tensor)}")
-            digests[name] = hasher.hexdigest()
-            advance()
-        final = encoded_header()
-        if len(final) != len(first):  # cannot happen: every digest has the placeholder's length
-            raise CheckpointError(f"{path}: the header changed length when its digests were filled in")
-        handle.seek(8)
-        handle.write(final)
-
-
-def _write_bytes(handle, tensor: torch.Tensor, hasher: Hasher) -> int:
-    """Write a CPU tensor's bytes (row-major, native little-endian) without an intermediate copy when contiguous."""
-    flat = tensor.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    raw = flat.view(torch.uint8).numpy() if flat.dtype != torch.bool else flat.numpy()
-    return write_hashed(handle.write, raw.data, hasher)

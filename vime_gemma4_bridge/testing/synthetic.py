@@ -196,7 +196,7 @@ def write_synthetic_checkpoint(
 
     Names, shapes and ``config.json`` are transformers' own (a meta-device model of ``spec``, tied
     ``lm_head`` dropped as ``save_pretrained`` does). Tensors are drawn one at a time, as the one shard
-    writer (:func:`~vime_gemma4_bridge.io.hf.write_shards`) asks for them, into about ``shards``
+    writer (:func:`~vime_gemma4_bridge.io.hf_write.write_shards`) asks for them, into about ``shards``
     safetensors files with an index, like a published checkpoint, so memory stays at one tensor. Norm
     weights are drawn near one and ``layer_scalar`` positive, so the model is sane. An existing ``out``
     is replaced once the new checkpoint is complete.
@@ -205,7 +205,8 @@ def write_synthetic_checkpoint(
     from transformers import GenerationConfig
 
     from vime_gemma4_bridge.io.commit import atomic_directory
-    from vime_gemma4_bridge.io.hf import LazyTensor, progress, write_shards
+    from vime_gemma4_bridge.io.hf import LazyTensor
+    from vime_gemma4_bridge.io.hf_write import progress, write_shards
 
     tensors = _meta_tensors(spec)
     total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in tensors)

@@ -142,13 +142,19 @@ class TensorFiles:
 
         safetensors maps the file; every page a handle has read stays in this process (its RSS) while
         the handle is open, so one handle per file would end a comparison holding the whole
-        checkpoint. A tensor from a handle of its own takes its pages out when it is dropped
-        (``roundtrip``'s rank 0: the source's pages in flight are one tensor's).
+        checkpoint. A tensor from a handle of its own takes its pages out when it is dropped.
         """
         from safetensors import safe_open
 
         with safe_open(self._first[name], framework="pt") as handle:
             return handle.get_tensor(name)
+
+    def location(self, name: str) -> Any:
+        """Where ``name``'s bytes are in the (first) file holding it (:class:`~vime_gemma4_bridge.io.hf.TensorLocation`,
+        from the header): for a check that reads the tensor a block at a time instead of whole."""
+        from vime_gemma4_bridge.io.hf import TensorLocation
+
+        return TensorLocation.in_file(self._first[name], (name,))[name]
 
     def __contains__(self, name: object) -> bool:
         return name in self._first

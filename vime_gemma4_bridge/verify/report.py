@@ -11,11 +11,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from vime_gemma4_bridge.core.bitwise import same_bytes
-from vime_gemma4_bridge.verify.compare import Source, compare_tensors, names_of, tensor_of
+from vime_gemma4_bridge.verify.compare import Source, TensorFiles, names_of
 
 #: Names of the stacked routed-expert tensors (HF, relative to a layer).
 EXPERT_SUFFIXES = ("experts.gate_up_proj", "experts.down_proj")
@@ -95,35 +96,60 @@ def compare(
     """Compare ``candidate`` with ``reference`` bitwise; check experts at every EP boundary by name.
 
     ``candidate`` may be the ``(name, tensor)`` pairs an export yields and ``reference`` a
-    :class:`~vime_gemma4_bridge.verify.compare.TensorFiles`: each pair is compared as it comes and
-    neither side is held, so a round trip keeps one tensor of each instead of two models. A name
-    yielded twice is extra (an export that overwrote its own tensor would otherwise pass).
+    :class:`~vime_gemma4_bridge.verify.compare.TensorFiles`: each pair is compared as it comes, the
+    reference read :data:`BLOCK` bytes at a time, and neither side is held, so a round trip holds
+    the export's tensor and one block of the source's. A name yielded twice is extra (an export
+    that overwrote its own tensor would otherwise pass).
     """
     result = Comparison()
     names = names_of(reference)
     wanted, seen = set(names), set()
+
+    def ref(name: str) -> Any:
+        return reference.location(name) if isinstance(reference, TensorFiles) else reference[name]
+
     for name, got in candidate.items() if isinstance(candidate, Mapping) else candidate:
         if name in seen or name not in wanted:
             result.extra.append(f"{name} (yielded again)" if name in seen else name)
         else:
-            _tally(result, name, tensor_of(reference, name), got, ep)
+            _tally(result, name, ref(name), got, ep)
         seen.add(name)
+        del got  # not held while the next one is made
     for name in names:
         if name not in seen:
-            _tally(result, name, tensor_of(reference, name), None, ep)
+            _tally(result, name, ref(name), None, ep)
     result.missing.sort()
     result.extra.sort()
     return result
 
 
-def _tally(result: Comparison, name: str, ref: torch.Tensor, got: torch.Tensor | None, ep: int) -> None:
+#: How much of a reference tensor a comparison reads at a time.
+BLOCK = 64 << 20
+
+
+def _rows(ref: Any, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of a reference: a tensor, or a ``TensorLocation`` read now."""
+    return ref[start:stop] if isinstance(ref, torch.Tensor) else ref.rows(start, stop)
+
+
+def _same(ref: Any, got: torch.Tensor) -> bool:
+    """``same_bytes`` of the reference (a tensor or a location) and ``got``, :data:`BLOCK` bytes of rows at a time."""
+    if ref.dtype != got.dtype or tuple(ref.shape) != tuple(got.shape):
+        return False
+    if not ref.shape:
+        return same_bytes(ref if isinstance(ref, torch.Tensor) else ref.mapped(), got)
+    step = max(1, BLOCK // max(1, ref.nbytes // max(1, ref.shape[0])))
+    return all(same_bytes(_rows(ref, a, a + step), got[a : a + step]) for a in range(0, ref.shape[0], step))
+
+
+def _tally(result: Comparison, name: str, ref: Any, got: torch.Tensor | None, ep: int) -> None:
     stats = result.families.setdefault(family_of(name), FamilyStats())
     stats.count += 1
-    stats.nbytes += ref.numel() * ref.element_size()
+    stats.nbytes += ref.nbytes
     if got is None:
         result.missing.append(name)
         return
-    if compare_tensors(ref, got, measure=False).status == "equal":
+    if _same(ref, got):
         stats.equal += 1
     else:
         result.different.append(name)
@@ -137,13 +163,13 @@ def ep_boundary_pairs(num_experts: int, ep: int) -> list[tuple[int, int]]:
     return [(b - 1, b) for b in range(per_rank, num_experts, per_rank)]
 
 
-def _check_expert_boundaries(name: str, ref: torch.Tensor, got: torch.Tensor, ep: int) -> list[str]:
-    if got.shape != ref.shape or ref.ndim < 1:
+def _check_expert_boundaries(name: str, ref: Any, got: torch.Tensor, ep: int) -> list[str]:
+    if tuple(got.shape) != tuple(ref.shape) or len(ref.shape) < 1:
         return []
     failures = []
     for left, right in ep_boundary_pairs(ref.shape[0], max(ep, 2)):
         for expert in (left, right):
-            if not same_bytes(got[expert], ref[expert]):
+            if not same_bytes(got[expert], _rows(ref, expert, expert + 1)[0]):
                 failures.append(f"{name}: expert {expert} is not in place")
         if same_bytes(got[left], got[right]):
             failures.append(f"{name}: experts {left} and {right} are duplicates across an EP boundary")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from vime_gemma4_bridge.convert.topology import Topology
@@ -22,19 +23,11 @@ def roundtrip_job(
 ) -> dict[str, Any]:
     """Runs on every rank. Returns rank 0's comparison (as a dict) on all ranks.
 
-    With ``output``, rank 0 also writes the exported model as a complete HF checkpoint, but only
-    when it is bitwise identical (``result["output"]`` is then its path, else ``None``).
+    With ``output``, rank 0 also writes the exported model as a complete HF checkpoint, each tensor as
+    it arrives, committed only when bitwise identical (``result["output"]`` is then its path, else ``None``).
     """
     from vime_gemma4_bridge.convert.integrity import verify_sources
-    from vime_gemma4_bridge.convert.model import (
-        broadcast_from_rank0,
-        collect_on_rank0,
-        export_language_model,
-        is_rank0,
-        loaded_model,
-        open_bridge,
-        to_rank0,
-    )
+    from vime_gemma4_bridge.convert.model import broadcast_from_rank0, is_rank0, loaded_model, open_bridge
     from vime_gemma4_bridge.convert.topology import init_model_parallel
     from vime_gemma4_bridge.io import hf as hf_io
     from vime_gemma4_bridge.verify import report
@@ -46,32 +39,63 @@ def roundtrip_job(
     with contextlib.redirect_stdout(sys.stderr):  # megatron-core's and the bridge's chatter: stdout is the report's
         bridge = open_bridge(hf_checkpoint)
         model = loaded_model(bridge, topology)
-        if output is not None:  # --output keeps the export (it is written once proven identical)
-            exported = collect_on_rank0(bridge, model)
-            comparison = compare_on_rank0(source, exported, topology)
-        else:
-            with to_rank0(bridge, model) as tasks:
-                comparison = compare_on_rank0(source, export_language_model(bridge, model, tasks), topology)
+        write = {"max_shard_size": max_shard_size, "force": force}
+        comparison, written = roundtrip_on_rank0(bridge, model, source, topology, output, **write)
     if is_rank0():
         result = comparison.as_dict()
         result["report"] = report.format_report(comparison, f"round trip at {topology}")
         result["total"] = vars(comparison.total)
         if output is not None:
-            if not comparison.identical:
-                result["output"] = None  # never write a checkpoint we know is wrong
-            else:
-                written = hf_io.write_hf_checkpoint(
-                    output, exported, source, max_shard_size=max_shard_size, force=force
-                )
-                result["output"] = str(written)
+            result["output"] = None if written is None else str(written)  # never a checkpoint we know is wrong
     return broadcast_from_rank0(result)
 
 
+class _Withheld(Exception):
+    """The comparison found a difference: the checkpoint being written is dropped, never committed."""
+
+
+def roundtrip_on_rank0(
+    bridge: Any, model: list, source: Any, topology: Topology, output: str | None, **write: Any
+) -> tuple[Any, Path | None]:
+    """The export (every rank) compared on rank 0 with ``source``'s language model as it streams; with
+    ``output``, each tensor also written as it arrives (:func:`~vime_gemma4_bridge.io.hf_write.writing_hf_checkpoint`,
+    ``write``: its options), and committed only when the comparison is bitwise identical.
+
+    Returns (the comparison, the written path or ``None``) on rank 0, ``(None, None)`` elsewhere.
+    Rank 0 holds one exported tensor and its reference at a time, with or without ``output``.
+    """
+    from vime_gemma4_bridge.convert.model import export_to_rank0, is_rank0
+    from vime_gemma4_bridge.io.hf_write import writing_hf_checkpoint
+
+    stream = export_to_rank0(bridge, model)
+    if output is None or not is_rank0():
+        return compare_on_rank0(source, stream, topology), None
+    try:
+        with writing_hf_checkpoint(output, source, **write) as writer:
+            comparison = compare_on_rank0(source, _written(stream, writer), topology)
+            if not comparison.identical:
+                raise _Withheld
+    except _Withheld:
+        return comparison, None
+    return comparison, writer.path
+
+
+def _written(stream: Iterable[tuple[str, Any]], writer: Any) -> Iterator[tuple[str, Any]]:
+    """``stream``, each tensor written before it is passed on, until one the output cannot take (a name,
+    shape or dtype the source lacks): the comparison then reports it, and the output is withheld."""
+    writing = True
+    for name, tensor in stream:
+        writing = writing and writer.accepts(name, tensor) is None
+        if writing:
+            writer.put(name, tensor)
+        yield name, tensor
+        del tensor  # not held while the next one is made
+
+
 def compare_on_rank0(source: Any, exported: Iterable[tuple[str, Any]], topology: Topology) -> Any:
-    """Rank 0: ``exported`` (the export's stream, or what rank 0 collected) compared with ``source``'s
-    language model, each tensor as it comes against the source's read one at a time, so the check
-    itself holds nothing; the comparison (``None`` on the other ranks, which only drain their part of
-    the export's collectives)."""
+    """Rank 0: ``exported`` (the export's stream) compared with ``source``'s language model, each tensor
+    as it comes against the source's read one at a time, so the check itself holds nothing; the
+    comparison (``None`` on the other ranks, which only drain their part of the export's collectives)."""
     from vime_gemma4_bridge.convert.model import is_rank0
     from vime_gemma4_bridge.verify import report
     from vime_gemma4_bridge.verify.compare import TensorFiles
