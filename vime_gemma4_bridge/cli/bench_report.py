@@ -50,7 +50,7 @@ class Step:
     extra_rss: int  # max over ranks of (peak - RSS at the step's start)
     phases: dict[str, float] = field(default_factory=dict)
     note: str = ""
-    checksum_seconds: float = 0.0  # of ``seconds``: recording and checking digests (io/digests.py)
+    checksum_seconds: float = 0.0  # of ``seconds``: held up by digests, recording or checking (io/digests.py)
 
     @property
     def gb_per_s(self) -> float:
