@@ -54,7 +54,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 -m "not limit"
 
 # The pure unit layer (mapping tables vs configs, layer pattern, chunking, pre-flight, errors,
 # the doctor's diagnosis rules): no rank processes, under a minute.

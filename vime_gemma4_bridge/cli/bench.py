@@ -230,6 +230,7 @@ def run_bench(
             shutil.rmtree(source, ignore_errors=True)
     if real_width:
         result.real_width = measure_real_width(workdir, buffer_size=buffer_size, keep=keep, quiet=quiet, log=log)
+        result.real_width.depth = measure_depth(workdir, keep=keep, quiet=quiet, log=log)
     return result
 
 
@@ -276,6 +277,58 @@ def measure_real_width(
     _cleanup(output, keep)
     _cleanup(path, keep)
     return RealWidth(nbytes, largest, str(topology), ranks, scoring)
+
+
+#: ``--real-width``'s deep check: the same widths at 8 layers (14.6 GB), at the seed's topology, on 8 ranks.
+DEPTH_LAYERS, DEPTH_BUFFER = 8, 256 << 20
+
+
+def measure_depth(
+    workdir: Path,
+    *,
+    layers: int = DEPTH_LAYERS,
+    buffer_size: int = DEPTH_BUFFER,
+    keep: bool = False,
+    quiet: bool = True,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> dict:
+    """:data:`REAL_WIDTH_PRESET` at ``layers`` layers round-tripped at :data:`REAL_WIDTH_AT` (must be bitwise),
+    then ``export-live --expert-layout per-expert`` there in chunks of ``buffer_size``, checked with
+    ``verify-update``; in a world of its own, so no earlier job's leftovers share the memory.
+
+    At 8 layers the 8 ranks hold 19.3 GB of parameters (the non-expert weights once per EP rank) of
+    these 24 GB: the chunks are 256 MiB (1 GiB ones put rank 0 over). Too tight for ``make test``,
+    whose own process holds ~1 GB more than this one: ``tests/test_memory.py -m limit`` runs it alone.
+    """
+    from vime_gemma4_bridge.convert.live import export_live_job
+    from vime_gemma4_bridge.verify.roundtrip import roundtrip_job
+    from vime_gemma4_bridge.verify.update import verify_update
+
+    path, nbytes = write_synthetic_checkpoint(workdir / "hf-depth", preset(REAL_WIDTH_PRESET, layers))
+    dump = workdir / "hf-depth-live"
+    nproc, topology = REAL_WIDTH_AT
+    log(f"bench: depth: {nbytes / 1e9:.3f} GB, {layers} layers, at {topology} on {nproc} ranks")
+    with LocalWorld(nproc) as world:
+        roundtrip = world.run(measured_job, roundtrip_job, (str(path), topology, None, False, 10**9), quiet)
+        live_args = (str(path), topology, str(dump), buffer_size, False, "per-expert")
+        live = world.run(measured_job, export_live_job, live_args, quiet)
+    report = verify_update(path, dump)
+    log("bench: depth: round trip, export-live and verify-update done")
+    _cleanup(dump, keep)
+    _cleanup(path, keep)
+    result = roundtrip[0]["result"]
+    return {
+        "layers": layers,
+        "bytes": nbytes,
+        "tensors": result["total"]["count"],
+        "equal": result["total"]["equal"],
+        "identical": result["identical"],
+        "verified": report["ok"],
+        "buffer_size": buffer_size,
+        "roundtrip_seconds": roundtrip[0]["seconds"],
+        "live_seconds": live[0]["seconds"],
+        "peak_rss": max(rank["peak_rss"] for run in (roundtrip, live) for rank in run),
+    }
 
 
 def _best_of(measure: Callable[[], list[dict]], *, outputs: Sequence[Path]) -> list[dict]:

@@ -72,6 +72,8 @@ class RealWidth:
     ranks: list[dict]
     #: ``bench_jobs.rollout_scoring_job`` on the same checkpoint, in a process of its own.
     scoring: dict
+    #: ``bench.measure_depth``: the same widths at 8 layers, round trip and live export (``None``: not run).
+    depth: dict | None = None
 
     @property
     def rollout_check_peak(self) -> int:
@@ -338,6 +340,7 @@ def real_width_lines(wide: RealWidth) -> list[str]:
             f"{_fmt(wide.live_vs_copy)}x ({wide.ranks[0]['live_bytes'] / 1e9:.2f} GB in "
             f"{wide.ranks[0]['live_seconds']:.1f} s vs {wide.ranks[0]['copy_seconds']:.1f} s)",
         ),
+        *([_depth_line(wide.depth, wide.topology)] if wide.depth else []),
         _target(
             "rollout-check's scoring peak RSS <= the embedding + two decoder layers + 1 GB",
             wide.rollout_check_peak <= wide.rollout_check_bound,
@@ -345,6 +348,17 @@ def real_width_lines(wide: RealWidth) -> list[str]:
             f"(RSS before: {wide.scoring['start_rss'] / 1e6:.1f} MB)",
         ),
     ]
+
+
+def _depth_line(depth: dict, topology: str) -> str:
+    return _target(
+        f"{depth['layers']} layers ({depth['bytes'] / 1e9:.1f} GB) at {topology} round-trip bitwise and "
+        "export-live per expert verifies",
+        depth["identical"] and depth["equal"] == depth["tensors"] and depth["verified"],
+        f"{depth['equal']}/{depth['tensors']} bitwise in {depth['roundtrip_seconds']:.0f} s, "
+        f"{'verified' if depth['verified'] else 'NOT verified'} ({depth['buffer_size'] >> 20} MiB chunks, "
+        f"{depth['live_seconds']:.0f} s); largest rank peak RSS {depth['peak_rss'] / 1e9:.2f} GB",
+    )
 
 
 def real_width_fields(wide: RealWidth | None) -> str:
