@@ -264,13 +264,19 @@ def _copy_reference(bridge: Any, model: Sequence[Any], buffer_size: int, **strea
 
 
 def shard_memory_job(
-    hf_checkpoint: str, topology: Topology, output: str | None, buffer_size: int | None = None, quiet: bool = True
+    hf_checkpoint: str,
+    topology: Topology,
+    output: str | None,
+    buffer_size: int | None = None,
+    repeats: int = 1,
+    quiet: bool = True,
 ) -> dict[str, Any]:
     """Memory at the shard (every rank): peak RSS while the model is built and loaded at ``topology`` (as
     ``roundtrip``, ``export-live`` and vime's HF ``--load`` road do), this rank's shard bytes (its
     parameters) and its RSS before; with ``output``, then the peak during ``roundtrip --output`` there
     (the export compared on rank 0 as it streams, and written to ``output``) and whether it was bitwise
-    identical; with ``buffer_size``, then ``export-live``'s stream there (:func:`_one_consumer_live`).
+    identical; with ``buffer_size``, then ``export-live``'s stream there (:func:`_one_consumer_live`, the
+    fastest of ``repeats``).
     """
     from vime_gemma4_bridge.convert import model as convert
     from vime_gemma4_bridge.convert.topology import init_model_parallel
@@ -292,7 +298,8 @@ def shard_memory_job(
             identical = comparison is None or (comparison.identical and written is not None)
             result |= {"roundtrip_peak": check.peak, "identical": identical}
         if buffer_size is not None:
-            result |= _one_consumer_live(bridge, model, buffer_size)
+            runs = [_one_consumer_live(bridge, model, buffer_size) for _ in range(repeats)]
+            result |= {key: min(run[key] for run in runs) for key in runs[0]}
     return result
 
 
