@@ -133,7 +133,7 @@ def test_eight_layers_at_the_seed_topology(tmp_path: Path) -> None:
     TP2·PP2·EP4·ETP1 on 8 ranks, and ``export-live --expert-layout per-expert`` there verifies
     (``bench.measure_depth``, which ``bench --real-width`` runs too). Its 8 ranks hold 19.3 GB of
     parameters, too close to these 24 GB for ``make test``'s process to share them: run alone with
-    ``pytest -m limit tests/test_memory.py`` (about 4 min). It was killed during the load (TP rank 0
+    ``pytest -m limit tests/test_memory.py`` (about 3 min). It was killed during the load (TP rank 0
     read the whole embedding to scatter it), then in the export (a job's model outlived it in its
     rank; rank 0 held the embedding's TP gather twice)."""
     from vime_gemma4_bridge.cli.bench import measure_depth
