@@ -12,7 +12,6 @@ its yardstick, a plain copy. The command and its report are :mod:`vime_gemma4_br
 from __future__ import annotations
 
 import contextlib
-import gc
 import io
 import logging
 import os
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from vime_gemma4_bridge.convert.topology import Topology
-from vime_gemma4_bridge.runtime.memory import release_freed_memory
+from vime_gemma4_bridge.runtime.memory import release_garbage
 
 __all__ = ["PeakRSS", "live_job", "measured_job", "reference_job", "silenced"]
 
@@ -56,8 +55,7 @@ def _release_memory() -> None:
     to the disk's speed while it flushes the previous step's bytes (dirty_ratio), and measure that.
     """
     os.sync()
-    gc.collect()
-    release_freed_memory()
+    release_garbage()
 
 
 class PeakRSS:

@@ -256,11 +256,12 @@ class CheckpointWriter:
         """Write one language-model tensor of the source's name, shape and dtype (refused otherwise)."""
         if name not in self._language:
             raise CheckpointError(f"{name} is not a language-model tensor of {self._shards.what}")
-        self._put(name, tensor)  # each entry checked by Shards.put
+        self.write(name, tensor)  # each entry checked by Shards.put
         self.tensors += 1
         self.nbytes += tensor_nbytes(tensor)
 
-    def _put(self, name: str, tensor: torch.Tensor | LazyTensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor | LazyTensor) -> None:
+        """Write any tensor of the layout, through the rewrite (the source's others: towers, embedders)."""
         for entry in self._rewrite([(name, tensor)]):
             self._shards.put(*entry)
 
@@ -304,7 +305,7 @@ def writing_hf_checkpoint(
     out = prepare_output(out, force=force)
     language = set(source.language_model_names())
     rewrite = rewrite or list
-    signatures = source.signatures(source.names())
+    signatures = source.signatures(language)
     try:
         with atomic_directory(out, replace=force) as tmp:
             copy_side_files(source, tmp)
@@ -326,7 +327,7 @@ def writing_hf_checkpoint(
                     writer = CheckpointWriter(out, shards, language, rewrite)
                     yield writer
                     for name, tensor in others.items():
-                        writer._put(name, tensor)
+                        writer.write(name, tensor)
             before_commit()
     except OSError as error:  # disk full, permission denied, read-only file system, ...
         raise write_failed(out, error) from None

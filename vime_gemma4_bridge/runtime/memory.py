@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 from collections.abc import Callable
 
 
@@ -28,3 +29,10 @@ def release_freed_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def release_garbage() -> None:
+    """Collect what reference cycles keep (a Megatron model's modules reference each other, so a model
+    outlives its last name until the cyclic collector runs), then :func:`release_freed_memory`."""
+    gc.collect()
+    release_freed_memory()

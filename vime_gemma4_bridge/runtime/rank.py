@@ -173,14 +173,10 @@ def flush_and_exit(code: int) -> NoReturn:
 
 
 def _release_job_memory() -> None:
-    """What the job left, given back before the next one: a rank serves job after job, and a Megatron
-    model's modules reference each other, so a job's model outlives it until the cyclic collector
-    runs (a round trip of 26B-A4B's published widths cut to 2 layers, at TP2·PP2·EP4, left 1.1 GB a
-    rank, and the next job's load came on top of it); then the pages glibc keeps
-    (:mod:`~vime_gemma4_bridge.runtime.memory`)."""
-    import gc
+    """What the job left, given back before the next one (:func:`~vime_gemma4_bridge.runtime.memory.release_garbage`):
+    a rank serves job after job, and a job's model outlived it until the cyclic collector ran (a round
+    trip of 26B-A4B's published widths cut to 2 layers, at TP2·PP2·EP4, left 1.1 GB a rank, and the
+    next job's load came on top of it)."""
+    from vime_gemma4_bridge.runtime.memory import release_garbage
 
-    from vime_gemma4_bridge.runtime.memory import release_freed_memory
-
-    gc.collect()
-    release_freed_memory()
+    release_garbage()
