@@ -172,31 +172,79 @@ def test_streamed_import_reads_back_only_what_megatron_core_wrote(tmp_path: Path
 
 
 @pytest.mark.fast
-def test_write_hashed_hashes_each_slice_right_after_writing_it() -> None:
-    """``write_hashed`` writes 256 KB at a time and hashes each slice at once, while it is in the cache: the
-    written bytes are the data, the digest is the data's, and no slice is hashed before or long after its write."""
+def test_write_hashed_hashes_a_large_write_beside_it() -> None:
+    """A write of ``_BESIDE`` bytes or more is hashed on another thread *while* it is written (the write here
+    waits until the hash has begun: hashed before or after it, the write would time out), the bytes written
+    are the data and the digest is theirs; a write that fails still waits for its hash, then raises."""
+    import threading
+
     import xxhash as xx
 
     from vime_gemma4_bridge.io import digests
 
-    events: list[tuple[str, int]] = []
-    written = bytearray()
+    started = threading.Event()
+    where: list[int] = []
 
     class Recording(digests.Hasher):
-        def update(self, data: object) -> None:
-            events.append(("hash", memoryview(data).nbytes))
-            super().update(data)
+        def update_beside(self, data: object) -> None:
+            where.append(threading.get_ident())
+            started.set()
+            super().update_beside(data)
+
+    written = bytearray()
 
     def write(piece: memoryview) -> None:
-        events.append(("write", piece.nbytes))
+        assert started.wait(timeout=30), "the hash did not begin while the write ran"
         written.extend(piece)
 
-    data = bytes(range(256)) * (4096 + 3)  # 1 MB and 768 bytes: four whole slices and a short one
+    data = bytes(range(256)) * (digests._BESIDE // 256 + 3)
     hasher = Recording()
-    digests.write_hashed(write, data, hasher)
+    assert digests.write_hashed(write, data, hasher) == len(data)
     assert bytes(written) == data and hasher.hexdigest() == xx.xxh3_128_hexdigest(data)
-    sizes = [256 << 10] * 4 + [768]
-    assert events == [event for size in sizes for event in (("write", size), ("hash", size))], events
+    assert where and where[0] != threading.get_ident()
+
+    def failing(piece: memoryview) -> None:
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        digests.write_hashed(failing, data, digests.Hasher())
+
+
+@pytest.mark.fast
+def test_short_writes_are_hashed_together() -> None:
+    """``torch.save``'s records of a few bytes each are gathered and hashed ``_SMALL`` bytes at a time (each
+    hash call hands the GIL to another thread), interleaved with large ones in order: same digest as one
+    hash of all the bytes."""
+    import random
+
+    import xxhash as xx
+
+    from vime_gemma4_bridge.io import digests
+
+    calls: list[int] = []
+
+    class Counting:
+        def __init__(self) -> None:
+            self.real = xx.xxh3_128()
+
+        def update(self, data: object) -> None:
+            calls.append(memoryview(data).nbytes)
+            self.real.update(data)
+
+        def hexdigest(self) -> str:
+            return self.real.hexdigest()
+
+    rng = random.Random(0)
+    pieces = [rng.randbytes(rng.choice([1, 8, 300, 5000])) for _ in range(2000)]
+    pieces[700:700] = [rng.randbytes(digests._SMALL * 3)]  # a large write between short ones
+    hasher = digests.Hasher()
+    hasher._hash = Counting()
+    for piece in pieces:
+        digests.write_hashed(lambda _: None, piece, hasher)
+    assert hasher.hexdigest() == xx.xxh3_128_hexdigest(b"".join(pieces))
+    total = sum(map(len, pieces))
+    assert len(calls) <= 2 * (total // digests._SMALL) + 3, (len(calls), total)
+    assert len(calls) < len(pieces) / 10
 
 
 def metadata_of(header: dict) -> dict[str, str]:
