@@ -12,8 +12,8 @@ runs no code: :mod:`~vime_gemma4_bridge.io.safe_pickle`), and every byte convert
 from memory and ~30 GB/s from the CPU's cache. ``xxhash`` is
 Megatron-Bridge's own (through ``datasets``); ``xxh128sum`` checks a whole file.
 
-Where the bytes are: a write hashes what it writes as it writes it, a slice at a time from the cache
-(:func:`write_hashed`, :class:`HashingWriter`: the HF shards, the streaming import's items), and a
+Where the bytes are: a write hashes what it writes as it writes it, a large write on a thread beside
+it (:func:`write_hashed`, :class:`HashingWriter`: the HF shards, the streaming import's items), and a
 conversion checks its sources on a thread beside its own work (``convert/integrity.check_beside``).
 Only what megatron-core's writer wrote is read back to be recorded (its pages are still cached), and
 ``verify-checkpoint`` reads everything.
