@@ -21,7 +21,8 @@ sync, every other model's bridge) they are upstream's, untouched. Nothing of ups
   place (compat/mappings.ColumnParallelMapping);
 * EP: upstream's naming of the gathered experts (param_mapping.py L727-819: ``num_experts_per_rank``
   broadcast over PP, the local index from ``extract_expert_number_from_param``, ``local + k ·
-  per_rank`` for EP rank ``k``, stacked and squeezed as there), the tensors gathered to the consumer.
+  per_rank`` for EP rank ``k``, stacked and squeezed as there), the tensors gathered to the consumer,
+  a fused HF tensor's experts each received into its place of the stack (UPSTREAM 74).
 
 Every other rank gets shape-only (``meta``) tensors of the same shapes and dtypes, so the rest of
 the export (splits, concatenations, the expert stacks, the tied and padding hooks) runs unchanged
@@ -260,7 +261,9 @@ class ToOneConsumer:
         """Upstream's EP gather, or, for one consumer, upstream's expert names with the tensors gathered to it.
 
         The names, the stacking of a name given twice and the final ``squeeze`` are upstream's
-        (param_mapping.py L779-819 at 0.6.2; the fork's at d063066b are the same at EP > 1).
+        (param_mapping.py L779-819 at 0.6.2; the fork's at d063066b are the same at EP > 1). A fused HF
+        tensor's name (every EP rank's expert under one name) is stacked as it is received, each
+        rank's expert into its place: upstream's ``torch.cat`` of the parts is a second copy of them.
         """
         from megatron.bridge.utils.common_utils import extract_expert_number_from_param
 
@@ -277,6 +280,9 @@ class ToOneConsumer:
             for k in range(self.ep_size)
         ]
         destination = consumer.rank if consumer.rank in _ranks(self.ep_group) else None
+        if len(set(names)) == 1:  # one fused HF tensor (no expert number in its name): stacked in place
+            stacked = _gathered_rows(megatron_weights.unsqueeze(0), self.ep_group, destination)
+            return {names[0]: stacked.squeeze()}
         gathered = _gathered(megatron_weights, self.ep_group, self.ep_size, destination)
         stacked: dict[str, torch.Tensor] = {}
         for name, weight in zip(names, gathered, strict=True):

@@ -250,7 +250,27 @@ class FusedGatedExpertMapping(StatedParallelism, ToOneConsumer, param_mapping.Fu
             and _whole_experts_here()
         ):
             return {self.hf_param: megatron_weights.detach()}
+        if receives_one_consumer_export() and self.tp_size == 1 and not getattr(self, "permute_dims", None):
+            return self._whole_to_one(megatron_weights, megatron_module)
         return super().megatron_to_hf(megatron_weights, megatron_module)
+
+    def _whole_to_one(
+        self, megatron_weights: torch.Tensor | None, megatron_module: nn.Module | None
+    ) -> dict[str, torch.Tensor]:
+        """At ETP = 1, for one consumer: the expert's ``[gate; up]`` weight gathered whole over PP and EP.
+
+        Upstream (param_mapping.py L2679-2724 and L3023-3041 at 0.6.2) splits it into gate and up
+        (``torch.chunk``: at ETP = 1 each expert's fc1 is ``[gate; up]``), gathers each over EP, stacks
+        each and concatenates them back: three copies of the layer's fc1 bytes on the consumer.
+        Gathering the whole weight gives the same tensor under the same name with none of them. The
+        condition is the same on every rank (the collectives must match); a stage that holds no
+        expert receives it, as upstream's gated delegate does.
+        """
+        weights = self.broadcast_from_pp_rank(megatron_weights, cache_key=str(self.hf_param))
+        if weights is None:
+            return {}
+        dequantized = getattr(self, "maybe_dequantize", lambda tensor: tensor)(weights)  # not in every build
+        return self.gather_from_ep_ranks(dequantized, megatron_module, self.hf_param)
 
 
 def _whole_experts_here() -> bool:
