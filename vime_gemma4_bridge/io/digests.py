@@ -222,10 +222,11 @@ def _beside() -> ThreadPoolExecutor:
 def write_hashed(write: Callable[[Any], Any], data: Any, hasher: Hasher) -> int:
     """``write(data)`` and ``hasher`` takes the same bytes, on a thread beside the write; the bytes written.
 
-    Why: XXH3 hashes ~20 GB/s here and a write into the page cache copies ~4 GB/s, both with the
-    GIL released. A tensor's bytes hashed on another core while the write copies them cost the
-    conversion only the wait for a hash that outlasts its write (counted in :func:`hashing_seconds`),
-    and no pass reads the bytes back. One hand-off per write: one per slice would pay a GIL hand-off
+    Why: XXH3 hashes several times faster than a write into the page cache copies (~20 GB/s against
+    ~4 GB/s on the AMD host of docs/PERFORMANCE.md's latest run), both with the GIL released. A
+    tensor's bytes hashed on another core while the write copies them cost the conversion only the
+    wait for a hash that outlasts its write (counted in :func:`hashing_seconds`), and no pass reads
+    the bytes back. One hand-off per write: one per slice would pay a GIL hand-off
     each time. Writes shorter than :data:`_BESIDE` are hashed after they are written, and
     ``torch.save``'s zip records of a few bytes are gathered by :meth:`Hasher.update`.
     """
