@@ -180,15 +180,12 @@ class Hasher:
         with memoryview(data) as view:
             if view.nbytes < _SMALL:
                 self._short += view
-                if len(self._short) < _SMALL:
-                    return
-                data = self._short
-            else:
-                self._flush()
+                if len(self._short) >= _SMALL:
+                    self._flush()
+                return
+            self._flush()
             with _clock.running():
-                self._hash.update(data)
-            if data is self._short:
-                self._short = bytearray()
+                self._hash.update(view)
 
     def _flush(self) -> None:
         if self._short:

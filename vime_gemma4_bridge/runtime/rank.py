@@ -22,6 +22,8 @@ import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from vime_gemma4_bridge.runtime.memory import release_garbage
+
 if TYPE_CHECKING:
     import multiprocessing.connection
 
@@ -155,7 +157,10 @@ def serve(
         else:
             reply = ("ok", task_id, result)
         fn = args = kwargs = None
-        _release_job_memory()
+        # A rank serves job after job, and a job's model outlived it until the cyclic collector ran (a
+        # round trip of 26B-A4B's published widths cut to 2 layers at TP2·PP2·EP4 left 1.1 GB a rank,
+        # and the next job's load came on top of it): given back before the next job.
+        release_garbage()
         sys.stdout.flush()
         sys.stderr.flush()
         try:
@@ -170,13 +175,3 @@ def flush_and_exit(code: int) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)
-
-
-def _release_job_memory() -> None:
-    """What the job left, given back before the next one (:func:`~vime_gemma4_bridge.runtime.memory.release_garbage`):
-    a rank serves job after job, and a job's model outlived it until the cyclic collector ran (a round
-    trip of 26B-A4B's published widths cut to 2 layers, at TP2·PP2·EP4, left 1.1 GB a rank, and the
-    next job's load came on top of it)."""
-    from vime_gemma4_bridge.runtime.memory import release_garbage
-
-    release_garbage()
