@@ -85,20 +85,22 @@ def record_torch_dist_digests(
     """Record a complete torch_dist directory's digests (collective; ``writer`` writes the file).
 
     ``known``: digests already computed as items were written, by ``(file name, offset, length)``, on
-    the writer's rank (the streaming import's); only the other items and files are read back.
+    the writer's rank (the streaming import's); only the other items and files are read back. All of it
+    is digests' work, so all of it counts in :func:`~vime_gemma4_bridge.io.digests.hashing_seconds`.
     """
     from vime_gemma4_bridge.convert.model import broadcast_from_rank0
 
-    known = dict(known or {})
-    if _share()[1] > 1:
-        known = broadcast_from_rank0(known if writer else None)
-    entries = torch_dist_entries(iteration_dir)
-    keys = [(entry.span.file.name, entry.span.offset, entry.span.length) for entry in entries]
-    unknown = [entry.span for entry, key in zip(entries, keys, strict=True) if key not in known]
-    read_back = iter(_shared_digests(unknown))
-    digests = [known[key] if key in known else next(read_back) for key in keys]
-    if writer:
-        write_torch_dist_digests(iteration_dir, entries, digests)
+    with held_up():
+        known = dict(known or {})
+        if _share()[1] > 1:
+            known = broadcast_from_rank0(known if writer else None)
+        entries = torch_dist_entries(iteration_dir)
+        keys = [(entry.span.file.name, entry.span.offset, entry.span.length) for entry in entries]
+        unknown = [entry.span for entry, key in zip(entries, keys, strict=True) if key not in known]
+        read_back = iter(_shared_digests(unknown))
+        digests = [known[key] if key in known else next(read_back) for key in keys]
+        if writer:
+            write_torch_dist_digests(iteration_dir, entries, digests)
 
 
 @dataclass(frozen=True)
