@@ -12,10 +12,10 @@ runs no code: :mod:`~vime_gemma4_bridge.io.safe_pickle`), and every byte convert
 from memory and ~30 GB/s from the CPU's cache. ``xxhash`` is
 Megatron-Bridge's own (through ``datasets``); ``xxh128sum`` checks a whole file.
 
-Where the bytes are: a write hashes what it writes as it writes it, a large write on a thread beside
-it (:func:`write_hashed`, :class:`HashingWriter`: the HF shards, the streaming import's items; the
-import's expert items are hashed an item behind their writes), and a conversion checks its sources on
-a thread beside its own work (``convert/integrity.check_beside``). Only what megatron-core's writer
+Where the bytes are: a write hashes what it has just written, on its own thread (:func:`write_hashed`,
+:class:`HashingWriter`: the HF shards, the streaming import's items), except the import's expert items,
+hashed on a thread beside their writer two items behind their writes; and a conversion checks its
+sources on a thread beside its own work (``convert/integrity.check_beside``). Only what megatron-core's writer
 wrote is read back to be recorded (its pages are still cached; hundreds of short items, read a file
 at a time), and ``verify-checkpoint`` reads everything.
 
@@ -205,8 +205,6 @@ class Hasher:
         return self._hash.hexdigest()
 
 
-#: Writes at least this long are hashed beside the write (:func:`write_hashed`); shorter ones after it.
-_BESIDE = 1 << 20
 _pools: dict[int, ThreadPoolExecutor] = {}
 
 
@@ -219,27 +217,19 @@ def _beside() -> ThreadPoolExecutor:
 
 
 def write_hashed(write: Callable[[Any], Any], data: Any, hasher: Hasher) -> int:
-    """``write(data)`` and ``hasher`` takes the same bytes, on a thread beside the write; the bytes written.
+    """``write(data)``, then ``hasher`` takes the same bytes, on this thread; the bytes written.
 
-    Why: XXH3 hashes several times faster than a write into the page cache copies (~20 GB/s against
-    ~4 GB/s on the AMD host of docs/PERFORMANCE.md's latest run), both with the GIL released. A
-    tensor's bytes hashed on another core while the write copies them cost the conversion only the
-    wait for a hash that outlasts its write (counted in :func:`hashing_seconds`), and no pass reads
-    the bytes back. One hand-off per write: one per slice would pay a GIL hand-off
-    each time. Writes shorter than :data:`_BESIDE` are hashed after they are written, and
-    ``torch.save``'s zip records of a few bytes are gathered by :meth:`Hasher.update`.
+    Why after, not beside: the write has just faulted the bytes in and left them in the CPU's caches,
+    and XXH3 hashes them several times faster than the write copied them (~20 GB/s against ~4 GB/s
+    on the AMD host of docs/PERFORMANCE.md's latest run), so no pass reads them back. Hashed on a
+    thread beside the write instead, both touching the same pages of a memory-mapped source at
+    once, the export's kernel time more than doubled (2.1-2.5 s became 5.0-5.4 s on 2 cores, an
+    A/B in one world) while the clock counted 0.04 s. ``torch.save``'s zip records of a few bytes
+    are gathered by :meth:`Hasher.update`.
     """
     with memoryview(data) as view, view.cast("B") as flat:
-        if len(flat) < _BESIDE:
-            write(flat)
-            hasher.update(flat)
-            return len(flat)
-        hashing = _beside().submit(hasher.update_beside, flat)
-        try:
-            write(flat)
-        finally:
-            with held_up():
-                hashing.result()
+        write(flat)
+        hasher.update(flat)
         return len(flat)
 
 
